@@ -1,0 +1,176 @@
+"""Typed configuration from URLs.
+
+Every store has one frozen dataclass of options. ``parse_query`` fills it from a URL's query
+string: each value is converted by the field's declared type, with two extra kinds given in
+field metadata (``kind="size"`` accepts ``8GiB``-style sizes, ``kind="duration"`` accepts
+``250ms``/``2s``/``1h``). An unknown parameter, a repeated one or a value that does not convert
+is a ``ConfigError`` naming it and what is accepted. Fields marked ``secret=True`` are hidden
+from ``repr`` (declare them with ``field(repr=False, ...)`` too) and from ``redact_url``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from typing import Any, Mapping, TypeVar
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+from kvstore.errors import ConfigError
+
+T = TypeVar("T")
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
+}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def parse_size(text: str | int, *, name: str = "size") -> int:
+    """``"8GiB"`` -> 8589934592. Decimal (kB, MB, GB) and binary (KiB, MiB, GiB) units."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _NUMBER_UNIT.match(str(text))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _SIZE_UNITS:
+            raise ConfigError(
+                f"{name}={text!r} is not a size; use a number of bytes with an optional unit "
+                f"such as 512MiB, 8GiB or 100MB"
+            )
+        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value < 0:
+        raise ConfigError(f"{name}={text!r} must not be negative")
+    return value
+
+
+def parse_duration(text: str | float, *, name: str = "duration") -> float:
+    """``"250ms"`` -> 0.25 seconds. Units: us, ms, s (default), m/min, h, d."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = _NUMBER_UNIT.match(str(text))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _DURATION_UNITS:
+            raise ConfigError(
+                f"{name}={text!r} is not a duration; use seconds or a number with a unit "
+                f"such as 250ms, 2s, 10m or 1h"
+            )
+        value = float(m.group(1)) * _DURATION_UNITS[unit]
+    if value < 0:
+        raise ConfigError(f"{name}={text!r} must not be negative")
+    return value
+
+
+def parse_bool(text: str | bool, *, name: str = "flag") -> bool:
+    if isinstance(text, bool):
+        return text
+    low = str(text).strip().lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(f"{name}={text!r} is not a boolean; use one of true/false, 1/0, yes/no, on/off")
+
+
+def convert(cls: type, field: dataclasses.Field, raw: Any) -> Any:
+    """Convert one raw option value to the type declared by ``field`` of dataclass ``cls``."""
+    kind = field.metadata.get("kind")
+    name = field.name
+    if kind == "size":
+        return parse_size(raw, name=name)
+    if kind == "duration":
+        return parse_duration(raw, name=name)
+    hint = typing.get_type_hints(cls)[name]
+    origin = typing.get_origin(hint)
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args:
+        if raw is None or raw == "":
+            return None
+        hint = args[0]
+    choices = field.metadata.get("choices")
+    try:
+        if hint is bool:
+            value: Any = parse_bool(raw, name=name)
+        elif hint is int:
+            value = int(raw)
+        elif hint is float:
+            value = float(raw)
+        elif hint is str:
+            value = str(raw)
+        elif typing.get_origin(hint) is tuple:
+            value = tuple(s for s in (raw.split(",") if isinstance(raw, str) else raw) if s != "")
+        else:
+            value = raw
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{name}={raw!r} is not a valid {getattr(hint, '__name__', hint)}") from exc
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{name}={raw!r} is not accepted; use one of: {', '.join(map(str, choices))}")
+    return value
+
+
+def build(cls: type[T], options: Mapping[str, Any], *, where: str, **fixed: Any) -> T:
+    """Build dataclass ``cls`` from ``fixed`` values plus user ``options`` (raw strings or values).
+
+    ``where`` names the source (a URL scheme or config section) in error messages. Fields set
+    in ``fixed`` (taken from the URL's host or path) cannot also be given as options.
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    settable = sorted(n for n in fields if n not in fixed and not fields[n].metadata.get("internal"))
+    values: dict[str, Any] = dict(fixed)
+    for key, raw in options.items():
+        if key not in fields or key in fixed or fields[key].metadata.get("internal"):
+            raise ConfigError(
+                f"unknown parameter {key!r} for {where}; accepted: {', '.join(settable) or '(none)'}"
+            )
+        values[key] = convert(cls, fields[key], raw)
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid options for {where}: {exc}") from exc
+
+
+def query_options(url: str) -> dict[str, str]:
+    """The query parameters of ``url`` as a flat dict; a repeated parameter is an error."""
+    query = urlsplit(url).query
+    parsed = parse_qs(query, keep_blank_values=True, strict_parsing=False)
+    out: dict[str, str] = {}
+    for key, values in parsed.items():
+        if len(values) != 1:
+            raise ConfigError(f"parameter {key!r} is given {len(values)} times in {redact_url(url)!r}")
+        out[key] = values[0]
+    return out
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, safe for logs and ``repr``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    netloc = f"{user}:***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def option(default: Any = dataclasses.MISSING, *, kind: str | None = None, secret: bool = False,
+           choices: tuple | None = None, help: str = "", internal: bool = False) -> Any:
+    """A dataclass field with kvstore option metadata (``help`` feeds the config reference)."""
+    meta = {"kind": kind, "secret": secret, "choices": choices, "help": help, "internal": internal}
+    return dataclasses.field(default=default, repr=not secret, metadata=meta)

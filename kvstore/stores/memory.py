@@ -1,0 +1,110 @@
+"""``memory://`` — an in-process LRU store bounded in bytes.
+
+The top tier of a replica: the fastest, private to the process. Values are copied on ``put``
+(callers reuse their staging buffers) and returned as the stored immutable ``bytes``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+from urllib.parse import urlsplit
+
+from kvstore.config import build, option, query_options
+from kvstore.errors import ConfigError
+from kvstore.stores.base import Buffer, Store
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    max_bytes: int = option(1 << 30, kind="size", help="Capacity; least recently used values are evicted beyond it.")
+
+    @classmethod
+    def from_url(cls, url: str) -> "MemoryConfig":
+        parts = urlsplit(url)
+        if parts.netloc or parts.path not in ("", "/"):
+            raise ConfigError(f"memory:// takes no host or path, got {url!r}; use memory://?max_bytes=8GiB")
+        return build(cls, query_options(url), where="memory://")
+
+
+class MemoryStore(Store):
+    schemes = ("memory",)
+    is_local = True
+    Config = MemoryConfig
+
+    def __init__(self, config: MemoryConfig | None = None) -> None:
+        self.config = config or MemoryConfig()
+        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.evictions = 0
+
+    @classmethod
+    def from_url(cls, url: str) -> "MemoryStore":
+        return cls(MemoryConfig.from_url(url))
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            value = self._data.get(key)
+            if value is not None:
+                self._data.move_to_end(key)
+            return value
+
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def put(self, key: str, value: Buffer) -> None:
+        data = bytes(value)
+        size = len(data)
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self._bytes -= len(old)
+            if size > self.config.max_bytes:
+                return  # larger than the whole tier: keeping it would evict everything else
+            while self._data and self._bytes + size > self.config.max_bytes:
+                _, evicted = self._data.popitem(last=False)
+                self._bytes -= len(evicted)
+                self.evictions += 1
+            self._data[key] = data
+            self._bytes += size
+
+    def delete(self, key: str) -> bool:
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is None:
+                return False
+            self._bytes -= len(old)
+            return True
+
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        with self._lock:
+            for i, key in enumerate(keys):
+                if key not in self._data:
+                    return i
+            return len(keys)
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        with self._lock:
+            keys = list(self._data)
+        return (k for k in keys if k.startswith(prefix))
+
+    def size_many(self, keys: Sequence[str]) -> list[int | None]:
+        with self._lock:
+            return [len(self._data[k]) if k in self._data else None for k in keys]
+
+    def close(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"store": "memory", "max_bytes": self.config.max_bytes, "used_bytes": self._bytes,
+                "items": len(self._data)}

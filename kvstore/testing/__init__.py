@@ -1,0 +1,1 @@
+"""Test helpers shipped with the package, so that third-party backends can reuse them."""

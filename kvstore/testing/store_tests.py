@@ -1,0 +1,139 @@
+"""The store conformance suite: subclass ``StoreTests`` once per backend.
+
+A subclass provides the ``store`` fixture (a fresh, empty store) and may override
+``bypass_get``/``bypass_put`` to read and write the backend directly (checking that the store
+really persisted, or planting values another writer would have written). Every backend —
+memory, file, Redis, Redis Cluster, S3 and the tiered store — must pass every test here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from kvstore.stores.base import Store
+
+
+class StoreTests:
+    """Conformance tests. Subclasses define a ``store`` fixture yielding an empty store."""
+
+    #: Largest value the suite writes; backends with a smaller limit lower it.
+    large_value_bytes = 8 << 20
+
+    def bypass_get(self, store: Store, key: str) -> bytes | None:
+        return None if (v := store.get(key)) is None else bytes(v)
+
+    def bypass_put(self, store: Store, key: str, value: bytes) -> None:
+        store.put(key, value)
+
+    # -- get / put / delete / exists ------------------------------------------------------------
+    def test_get_missing_is_none(self, store: Store) -> None:
+        assert store.get("kvs1/test/missing") is None
+        assert store.exists("kvs1/test/missing") is False
+
+    def test_put_then_get(self, store: Store) -> None:
+        store.put("kvs1/test/a", b"hello")
+        assert bytes(store.get("kvs1/test/a")) == b"hello"
+        assert store.exists("kvs1/test/a")
+        assert self.bypass_get(store, "kvs1/test/a") == b"hello"
+
+    def test_put_accepts_bytearray_and_memoryview(self, store: Store) -> None:
+        buf = bytearray(b"0123456789")
+        store.put("kvs1/test/ba", buf)
+        store.put("kvs1/test/mv", memoryview(buf)[2:6])
+        buf[:] = b"xxxxxxxxxx"  # callers may reuse their buffers once put returns
+        assert bytes(store.get("kvs1/test/ba")) == b"0123456789"
+        assert bytes(store.get("kvs1/test/mv")) == b"2345"
+
+    def test_overwrite(self, store: Store) -> None:
+        store.put("kvs1/test/k", b"one")
+        store.put("kvs1/test/k", b"two!")
+        assert bytes(store.get("kvs1/test/k")) == b"two!"
+
+    def test_empty_value(self, store: Store) -> None:
+        store.put("kvs1/test/empty", b"")
+        value = store.get("kvs1/test/empty")
+        assert value is not None and bytes(value) == b""
+
+    def test_delete(self, store: Store) -> None:
+        store.put("kvs1/test/d", b"x")
+        assert store.delete("kvs1/test/d") is True
+        assert store.get("kvs1/test/d") is None
+        assert store.delete("kvs1/test/d") is False
+
+    def test_large_value_roundtrip(self, store: Store) -> None:
+        value = os.urandom(self.large_value_bytes)
+        store.put("kvs1/test/large", value)
+        assert bytes(store.get("kvs1/test/large")) == value
+
+    def test_value_written_directly_is_read(self, store: Store) -> None:
+        self.bypass_put(store, "kvs1/test/planted", b"planted")
+        assert bytes(store.get("kvs1/test/planted")) == b"planted"
+
+    # -- batch forms ----------------------------------------------------------------------------
+    def test_put_many_get_many(self, store: Store) -> None:
+        items = [(f"kvs1/test/m{i}", os.urandom(100 + i)) for i in range(20)]
+        store.put_many(items)
+        got = store.get_many([k for k, _ in items] + ["kvs1/test/absent"])
+        assert [bytes(g) for g in got[:-1]] == [v for _, v in items]
+        assert got[-1] is None
+
+    def test_get_many_empty(self, store: Store) -> None:
+        assert store.get_many([]) == []
+
+    def test_exists_many(self, store: Store) -> None:
+        store.put_many([("kvs1/test/e0", b"0"), ("kvs1/test/e2", b"2")])
+        assert store.exists_many(["kvs1/test/e0", "kvs1/test/e1", "kvs1/test/e2"]) == [True, False, True]
+
+    def test_longest_prefix(self, store: Store) -> None:
+        keys = [f"kvs1/test/p{i}" for i in range(10)]
+        assert store.longest_prefix(keys) == 0
+        store.put_many([(k, b"v") for k in keys[:6]])
+        store.put(keys[8], b"v")  # present but after a gap: not part of the prefix
+        assert store.longest_prefix(keys) == 6
+        assert store.longest_prefix(keys[:3]) == 3
+        assert store.longest_prefix([]) == 0
+
+    def test_delete_many(self, store: Store) -> None:
+        store.put_many([(f"kvs1/test/x{i}", b"v") for i in range(4)])
+        assert store.delete_many([f"kvs1/test/x{i}" for i in range(6)]) == 4
+        assert store.get("kvs1/test/x0") is None
+
+    def test_size_many(self, store: Store) -> None:
+        store.put("kvs1/test/s", b"12345")
+        assert store.size_many(["kvs1/test/s", "kvs1/test/none"]) == [5, None]
+
+    def test_iter_keys(self, store: Store) -> None:
+        store.put_many([("kvs1/aa/1", b"1"), ("kvs1/aa/2", b"2"), ("kvs1/bb/1", b"3")])
+        assert sorted(store.iter_keys("kvs1/aa/")) == ["kvs1/aa/1", "kvs1/aa/2"]
+        assert set(store.iter_keys()) >= {"kvs1/aa/1", "kvs1/aa/2", "kvs1/bb/1"}
+
+    # -- concurrency and description ------------------------------------------------------------
+    def test_concurrent_writers_and_readers(self, store: Store) -> None:
+        errors: list[BaseException] = []
+
+        def work(t: int) -> None:
+            try:
+                for i in range(25):
+                    key = f"kvs1/test/t{t}-{i}"
+                    value = bytes([t, i]) * 500
+                    store.put(key, value)
+                    got = store.get(key)
+                    assert got is None or bytes(got) == value  # an LRU may already have evicted it
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+
+    def test_describe_is_json(self, store: Store) -> None:
+        import json
+
+        json.dumps(store.describe())
+        assert type(store).__name__ in repr(store)
