@@ -125,13 +125,13 @@ def encode_record(
     chain: Sequence[str] = (),
     out: bytearray | None = None,
     created: float | None = None,
-) -> memoryview:
-    """Encode one chunk record; returns a view of the bytes to store.
+) -> bytes | memoryview:
+    """Encode one chunk record; returns the bytes to store.
 
     ``tokens`` are the chunk's own tokens (``chunk.num_tokens`` of them). ``kv`` holds the
-    tensors of ``shapes`` back to back in ``dtype``. With ``out`` (a reusable bytearray) the
-    record is written there, avoiding a fresh large allocation per record; the returned view is
-    valid until ``out`` is reused.
+    tensors of ``shapes`` back to back in ``dtype``. Without ``out`` the result is a new
+    immutable ``bytes``; with ``out`` (a reusable bytearray) the record is written there,
+    avoiding a fresh large allocation, and a view valid until ``out`` is reused is returned.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
@@ -178,19 +178,19 @@ def encode_record(
         "checksum": hasher.digest(),
         "created": float(time.time() if created is None else created),
     }, use_bin_type=True)
+    frame = _FRAME.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header))
+    parts = [frame, header, body] + ([hidden_view] if hidden_view is not None else [])
+    if out is None:
+        return b"".join(parts)  # one allocation and copy; immutable, safe to queue and keep
     total = FRAME_BYTES + len(header) + payload_len
-    buf = out if out is not None else bytearray(total)
-    if len(buf) < total:
-        buf.extend(bytes(total - len(buf)))
-    view = memoryview(buf)[:total]
-    _FRAME.pack_into(view, 0, MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header))
-    pos = FRAME_BYTES
-    view[pos:pos + len(header)] = header
-    pos += len(header)
-    view[pos:pos + body_len] = body
-    pos += body_len
-    if hidden_view is not None:
-        view[pos:pos + len(hidden_view)] = hidden_view
+    if len(out) < total:
+        out.extend(bytes(total - len(out)))
+    view = memoryview(out)[:total]
+    pos = 0
+    for part in parts:
+        n = len(part) if isinstance(part, (bytes, bytearray)) else memoryview(part).nbytes
+        view[pos:pos + n] = part
+        pos += n
     return view
 
 

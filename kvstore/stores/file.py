@@ -1,0 +1,210 @@
+"""``file:///path`` — records as files in a local directory, shared by the processes of one host.
+
+Writes go to a temporary file in the same file system and are renamed into place, so a reader
+sees a whole value or none. The directory is bounded by ``max_bytes``: when a writer's estimate
+of the total passes it, that writer takes an exclusive ``flock`` and evicts the least recently
+used files (by modification time, which ``get`` refreshes) down to ``low_water`` of the budget.
+Several processes may use one directory at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import quote, unquote, urlsplit
+
+from kvstore.config import build, option, query_options
+from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.stores.base import Buffer, Store
+
+_STALE_TMP_SECONDS = 3600.0
+
+
+@dataclass(frozen=True)
+class FileConfig:
+    path: str = option(help="Directory holding the records (created if missing).")
+    max_bytes: int = option(10 << 30, kind="size", help="Capacity; least recently used files are evicted beyond it (0: unbounded).")
+    low_water: float = option(0.9, help="Eviction frees space down to this fraction of max_bytes.")
+    fsync: bool = option(False, help="fsync each file before renaming it into place (durable across power loss).")
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.low_water <= 1.0:
+            raise ConfigError(f"low_water={self.low_water} must be in (0, 1]")
+
+    @classmethod
+    def from_url(cls, url: str) -> "FileConfig":
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise ConfigError(f"file:// URLs take an absolute path (file:///var/cache/kv), got host {parts.netloc!r}")
+        path = unquote(parts.path)
+        if not path:
+            raise ConfigError(f"file:// URL {url!r} has no path; use file:///absolute/dir")
+        return build(cls, query_options(url), where="file://", path=os.path.expanduser(path))
+
+
+class FileStore(Store):
+    schemes = ("file",)
+    is_local = True
+    Config = FileConfig
+
+    def __init__(self, config: FileConfig) -> None:
+        self.config = config
+        self.root = Path(config.path)
+        self._data = self.root / "data"
+        self._tmp = self.root / "tmp"
+        try:
+            self._data.mkdir(parents=True, exist_ok=True)
+            self._tmp.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"file store path {config.path!r} is not usable: {exc}") from exc
+        self._lock = threading.Lock()
+        self._estimate: int | None = None  # bytes on disk as of the last scan, plus writes since
+        self.evictions = 0
+
+    @classmethod
+    def from_url(cls, url: str) -> "FileStore":
+        return cls(FileConfig.from_url(url))
+
+    def _path(self, key: str) -> Path:
+        name = quote(key, safe="")
+        if len(name) > 240:
+            raise ValueError(f"key of {len(key)} characters is too long for the file store")
+        shard = hashlib.blake2b(key.encode(), digest_size=1).hexdigest()
+        return self._data / shard / name
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreUnavailableError(f"file store read {path} failed: {exc}") from exc
+        try:
+            os.utime(path)  # LRU clock for eviction
+        except OSError:
+            pass
+        return data
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def put(self, key: str, value: Buffer) -> None:
+        path = self._path(key)
+        view = memoryview(value).cast("B")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self._tmp)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(view)
+                    if self.config.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                raise
+        except OSError as exc:
+            raise StoreUnavailableError(f"file store write {path} failed: {exc}") from exc
+        self._account(len(view))
+
+    def delete(self, key: str) -> bool:
+        try:
+            self._path(key).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        for shard in sorted(self._data.iterdir()):
+            if not shard.is_dir():
+                continue
+            for entry in os.scandir(shard):
+                key = unquote(entry.name)
+                if key.startswith(prefix):
+                    yield key
+
+    def size_many(self, keys):  # type: ignore[override]
+        out: list[int | None] = []
+        for k in keys:
+            try:
+                out.append(self._path(k).stat().st_size)
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
+    # -- capacity ----------------------------------------------------------------------------
+    def _account(self, added: int) -> None:
+        if not self.config.max_bytes:
+            return
+        with self._lock:
+            if self._estimate is None:
+                self._estimate = self._scan_total()
+            self._estimate += added
+            over = self._estimate > self.config.max_bytes
+        if over:
+            self.evict()
+
+    def _scan_total(self) -> int:
+        total = 0
+        for shard in self._data.iterdir():
+            if shard.is_dir():
+                for entry in os.scandir(shard):
+                    try:
+                        total += entry.stat().st_size
+                    except FileNotFoundError:
+                        pass
+        return total
+
+    def evict(self) -> int:
+        """Evict least recently used files down to ``low_water * max_bytes``; returns bytes freed."""
+        target = int(self.config.max_bytes * self.config.low_water)
+        with open(self.root / ".lock", "a+b") as lockf:
+            fcntl.flock(lockf, fcntl.LOCK_EX)  # one evictor at a time across processes
+            files = []
+            for shard in self._data.iterdir():
+                if not shard.is_dir():
+                    continue
+                for entry in os.scandir(shard):
+                    try:
+                        st = entry.stat()
+                    except FileNotFoundError:
+                        continue
+                    files.append((st.st_mtime, st.st_size, entry.path))
+            total = sum(f[1] for f in files)
+            freed = 0
+            files.sort()
+            for _, size, path in files:
+                if total - freed <= target:
+                    break
+                try:
+                    os.unlink(path)
+                    freed += size
+                    self.evictions += 1
+                except FileNotFoundError:
+                    pass
+            now = time.time()
+            for entry in os.scandir(self._tmp):  # writers that died mid-write
+                try:
+                    if now - entry.stat().st_mtime > _STALE_TMP_SECONDS:
+                        os.unlink(entry.path)
+                except FileNotFoundError:
+                    pass
+        with self._lock:
+            self._estimate = total - freed
+        return freed
+
+    def describe(self) -> dict[str, Any]:
+        return {"store": "file", "path": str(self.root), "max_bytes": self.config.max_bytes}

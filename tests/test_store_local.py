@@ -1,0 +1,102 @@
+"""Conformance of the local stores (memory, file) plus their own behaviour."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+
+from kvstore import ConfigError, open_store
+from kvstore.stores.file import FileStore
+from kvstore.stores.memory import MemoryStore
+from kvstore.testing.store_tests import StoreTests
+
+
+class TestMemoryStore(StoreTests):
+    @pytest.fixture
+    def store(self):
+        with open_store("memory://?max_bytes=64MiB") as s:
+            yield s
+
+
+class TestFileStore(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path):
+        with open_store(f"file://{tmp_path}/kv?max_bytes=256MiB") as s:
+            yield s
+
+    def bypass_get(self, store, key):
+        path = store._path(key)
+        return path.read_bytes() if path.exists() else None
+
+
+def test_memory_lru_evicts_least_recently_used():
+    store = MemoryStore(MemoryStore.Config(max_bytes=300))
+    for k in "abc":
+        store.put(k, bytes(100))
+    store.get("a")  # a is now the most recently used
+    store.put("d", bytes(100))
+    assert store.get("b") is None
+    assert all(store.get(k) is not None for k in "acd")
+    assert store.used_bytes == 300
+
+
+def test_memory_value_larger_than_capacity_is_not_kept():
+    store = MemoryStore(MemoryStore.Config(max_bytes=10))
+    store.put("small", b"12345")
+    store.put("big", bytes(11))
+    assert store.get("big") is None and store.get("small") == b"12345"
+
+
+def test_file_store_evicts_to_low_water(tmp_path):
+    store = open_store(f"file://{tmp_path}?max_bytes=1000&low_water=0.5")
+    for i in range(12):
+        store.put(f"k{i}", bytes(100))
+        os.utime(store._path(f"k{i}"), (i, i))  # deterministic LRU order
+    remaining = sorted(store.iter_keys())
+    total = sum(store.size_many(remaining))
+    assert total <= 1000
+    assert "k11" in remaining and "k0" not in remaining
+
+
+def _writer(path: str, worker: int) -> None:
+    store = open_store(f"file://{path}")
+    for i in range(50):
+        store.put(f"kvs1/w/{i}", bytes([worker]) * 4096)
+
+
+def test_file_store_many_processes_write_whole_values(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w)) for w in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    store = open_store(f"file://{tmp_path}")
+    for i in range(50):
+        value = store.get(f"kvs1/w/{i}")
+        assert value is not None and len(value) == 4096 and len(set(value)) == 1
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("nosuch://x", "unknown store scheme 'nosuch://'"),
+    ("memory://?max_bytes=lots", "max_bytes='lots' is not a size"),
+    ("memory://?maxbytes=1GiB", "unknown parameter 'maxbytes' for memory://; accepted: max_bytes"),
+    ("file://", "has no path"),
+    ("file:///tmp/x?fsync=maybe", "fsync='maybe' is not a boolean"),
+    ("file:///tmp/x?low_water=2", "low_water=2.0 must be in (0, 1]"),
+    ("localhost:6379", "has no scheme"),
+])
+def test_bad_urls_name_the_value_and_what_is_accepted(url, fragment):
+    with pytest.raises(ConfigError) as err:
+        open_store(url)
+    assert fragment in str(err.value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_size_units():
+    assert MemoryStore.from_url("memory://?max_bytes=8GiB").config.max_bytes == 8 << 30
+    assert MemoryStore.from_url("memory://?max_bytes=1.5MB").config.max_bytes == 1_500_000
+    assert isinstance(open_store(["memory://"]), MemoryStore)
