@@ -44,6 +44,8 @@ MAGIC = b"KVSR"
 _FRAME = struct.Struct("<4sHHII")
 FRAME_BYTES = _FRAME.size
 MAX_HEADER_BYTES = 1 << 20
+MAX_RAW_BYTES = 4 << 30  # no record decodes to more: a lying header must not make us allocate without bound
+_MAX_COMPRESSION_RATIO = 300  # above lz4's and far above what KV data reaches (1.5)
 SUPPORTED_VERSIONS = (1,)
 
 #: dtype name -> element size. fp8 and integer types are stored raw (no shuffle benefit).
@@ -246,7 +248,7 @@ def read_header(data: Buffer) -> RecordHeader:
         if v != version:
             raise _fail(f"header version {v} disagrees with frame version {version}", "header")
         dtype = h["dtype"]
-        if dtype not in DTYPES:
+        if type(dtype) is not str or dtype not in DTYPES:
             raise _fail(f"record dtype {dtype!r} is not known", "header")
         shapes_raw = h["shapes"]
         if type(shapes_raw) is not list or len(shapes_raw) > 4096:
@@ -255,7 +257,7 @@ def read_header(data: Buffer) -> RecordHeader:
         hidden = h["hidden"]
         hidden_dtype = hidden_shape = None
         if hidden is not None:
-            if type(hidden) is not list or len(hidden) != 2 or hidden[0] not in DTYPES:
+            if type(hidden) is not list or len(hidden) != 2 or type(hidden[0]) is not str or hidden[0] not in DTYPES:
                 raise _fail("header field hidden is malformed", "header")
             hidden_dtype, hidden_shape = hidden[0], _shape(hidden[1], "hidden")
         chain = h["codecs"]
@@ -292,6 +294,9 @@ def read_header(data: Buffer) -> RecordHeader:
         raise _fail(f"record header lacks field {exc}", "header") from exc
     if header.raw_len != kv_nbytes(header.dtype, header.shapes):
         raise _fail(f"raw_len {header.raw_len} disagrees with shapes {header.shapes}", "header")
+    if header.raw_len > MAX_RAW_BYTES or (
+            header.codecs and header.raw_len > _MAX_COMPRESSION_RATIO * header.payload_len + 4096):
+        raise _fail(f"raw_len {header.raw_len} is implausible for a {header.payload_len}-byte payload", "header")
     if not header.codecs and header.payload_len != header.raw_len + header.hidden_len:
         raise _fail("payload_len disagrees with raw_len for an uncompressed record", "header")
     actual = len(view) - FRAME_BYTES - header_len

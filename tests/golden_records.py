@@ -1,0 +1,79 @@
+"""The golden record cases: inputs that tests/fixtures/records/*.kvr were encoded from.
+
+``python -m tests.golden_records`` rewrites the fixtures. Never do that to make a failing test
+pass: a fixture that no longer decodes means stored caches would stop decoding too. Add a new
+format version (and new fixtures) instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from kvstore import Namespace, chunk_keys
+
+FIXTURES = Path(__file__).parent / "fixtures" / "records"
+CREATED = 1_790_000_000.0
+
+# name -> (dtype, codec chain, per-layer shape, layers, hidden (dtype, shape) or None, tokens)
+CASES = {
+    "bf16_raw_hidden": ("bfloat16", (), (2, 32, 2, 16), 3, ("bfloat16", (64,)), 32),
+    "bf16_shuffle_lz4": ("bfloat16", ("shuffle2", "lz4"), (2, 32, 2, 16), 3, None, 32),
+    "fp16_lz4_partial": ("float16", ("lz4",), (2, 20, 2, 16), 2, ("float32", (64,)), 20),
+    "fp32_raw": ("float32", (), (32, 48), 2, None, 32),
+    "fp8_raw": ("float8_e4m3fn", (), (2, 32, 1, 16), 2, None, 32),
+    "bf16_shuffle_zstd": ("bfloat16", ("shuffle2", "zstd"), (2, 32, 2, 16), 2, None, 32),
+}
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+def namespace(dtype: str) -> Namespace:
+    return Namespace(model="golden", kv_dtype=dtype, layout="golden", block_size=4, chunk_tokens=32,
+                     layer_end=4, model_fingerprint="v1")
+
+
+def case_inputs(name: str):
+    """(namespace, chunk, tokens, dtype, shapes, kv bytes, hidden bytes or None, hidden meta, chain)."""
+    dtype, chain, shape, layers, hidden, ntok = CASES[name]
+    seed = sum(map(ord, name))
+    rng = np.random.default_rng(seed)
+    ns = namespace(dtype)
+    tokens = rng.integers(0, 50_000, ntok, dtype=np.int64)
+    chunk = chunk_keys(ns, tokens)[0]
+    n = layers * int(np.prod(shape))
+    if dtype in ("bfloat16", "float16", "float32"):
+        # Smooth-ish values so the compressors have something to find, stored as the dtype's bytes.
+        values = rng.standard_normal(n).astype(np.float32)
+        if dtype == "float32":
+            kv = values.tobytes()
+        elif dtype == "float16":
+            kv = values.astype(np.float16).tobytes()
+        else:
+            kv = (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
+    else:
+        kv = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+    hidden_bytes = None
+    if hidden is not None:
+        hdtype, hshape = hidden
+        hidden_bytes = rng.integers(0, 256, ITEMSIZE[hdtype] * int(np.prod(hshape)), dtype=np.uint8).tobytes()
+    return ns, chunk, tokens, dtype, [shape] * layers, kv, hidden_bytes, hidden, chain
+
+
+def encode_case(name: str) -> bytes:
+    from kvstore import encode_record
+
+    ns, chunk, tokens, dtype, shapes, kv, hidden_bytes, hidden, chain = case_inputs(name)
+    return bytes(encode_record(
+        namespace=ns, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes, kv=kv,
+        hidden=hidden_bytes, hidden_dtype=hidden[0] if hidden else None,
+        hidden_shape=hidden[1] if hidden else None, chain=chain, created=CREATED,
+    ))
+
+
+if __name__ == "__main__":
+    FIXTURES.mkdir(parents=True, exist_ok=True)
+    for case in CASES:
+        (FIXTURES / f"{case}.kvr").write_bytes(encode_case(case))
+        print("wrote", case)

@@ -1,0 +1,228 @@
+"""Record codec: golden fixtures, round trips, and a fuzzed decoder that only ever says 'corrupt'."""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from golden_records import CASES, FIXTURES, case_inputs, encode_case
+from kvstore import CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record, read_header
+from kvstore.codecs import CHAINS, resolve_chain
+from kvstore.errors import ConfigError, KVStoreError
+from kvstore.record import DTYPES, FRAME_BYTES, MAGIC
+
+NS = Namespace(model="m", kv_dtype="bfloat16", layout="t", block_size=4, chunk_tokens=8, layer_end=2)
+
+
+# -- golden records -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_record_decodes(name):
+    ns, chunk, tokens, dtype, shapes, kv, hidden, hidden_meta, chain = case_inputs(name)
+    data = (FIXTURES / f"{name}.kvr").read_bytes()
+    rec = decode_record(data, namespace=ns, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes)
+    assert bytes(rec.kv) == kv
+    assert (None if rec.hidden is None else bytes(rec.hidden)) == hidden
+    assert rec.header.codecs == tuple(chain)
+    assert rec.header.created == 1_790_000_000.0
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_encoder_still_writes_the_golden_bytes(name):
+    # If this fails the wire format changed: bump FORMAT_VERSION and keep the old fixtures decoding.
+    assert encode_case(name) == (FIXTURES / f"{name}.kvr").read_bytes()
+
+
+# -- round trips and expectations ---------------------------------------------------------------
+def _record(chain=(), hidden=True, tokens=None):
+    tokens = list(range(8)) if tokens is None else tokens
+    chunk = chunk_keys(NS, tokens)[0]
+    kv = np.arange(2 * 2 * 8 * 3 * 4, dtype=np.uint16).tobytes()
+    h = np.arange(16, dtype=np.uint16).tobytes() if hidden else None
+    data = encode_record(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16", shapes=[(2, 8, 3, 4)] * 2,
+                         kv=kv, hidden=h, hidden_dtype="bfloat16" if hidden else None,
+                         hidden_shape=(16,) if hidden else None, chain=chain)
+    return bytes(data), chunk, tokens, kv, h
+
+
+@pytest.mark.parametrize("codec", sorted(CHAINS))
+def test_roundtrip_every_codec(codec):
+    data, chunk, tokens, kv, h = _record(resolve_chain(codec, 2))
+    rec = decode_record(data, namespace=NS, chunk=chunk, tokens=tokens)
+    assert bytes(rec.kv) == kv and bytes(rec.hidden) == h
+
+
+@pytest.mark.parametrize("codec", sorted(CHAINS))
+def test_decode_into_callers_buffer(codec):
+    data, chunk, tokens, kv, _ = _record(resolve_chain(codec, 2))
+    out = bytearray(len(kv))
+    rec = decode_record(data, chunk=chunk, out=memoryview(out))
+    assert bytes(out) == kv and rec.kv.obj is out  # written in place, no new buffer handed back
+
+
+def test_raw_decode_is_a_view_of_the_input():
+    data, *_ = _record(hidden=False)
+    buf = bytearray(data)
+    rec = decode_record(buf)
+    assert isinstance(rec.kv, memoryview) and rec.kv.obj is buf
+
+
+def test_encode_into_reusable_buffer():
+    data, chunk, tokens, kv, h = _record()
+    out = bytearray()
+    view = encode_record(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16", shapes=[(2, 8, 3, 4)] * 2,
+                         kv=kv, hidden=h, hidden_dtype="bfloat16", hidden_shape=(16,), created=read_header(data).created)
+    view2 = encode_record(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16", shapes=[(2, 8, 3, 4)] * 2,
+                          kv=kv, hidden=h, hidden_dtype="bfloat16", hidden_shape=(16,), out=out,
+                          created=read_header(data).created)
+    assert bytes(view2) == bytes(view) == data
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(namespace=Namespace(model="other", kv_dtype="bfloat16", layout="t", block_size=4, chunk_tokens=8)), "namespace"),
+    (dict(tokens=[0, 1, 2, 3, 4, 5, 6, 99]), "tokens"),
+    (dict(dtype="float16"), "shape"),
+    (dict(shapes=[(2, 8, 3, 4)]), "shape"),
+])
+def test_foreign_or_mismatched_records_are_corrupt(kwargs, reason):
+    data, *_ = _record()
+    with pytest.raises(CorruptRecordError) as err:
+        decode_record(data, **kwargs)
+    assert err.value.reason == reason
+
+
+def test_record_under_the_wrong_key_is_rejected():
+    data, *_ = _record()
+    other = chunk_keys(NS, list(range(1, 9)))[0]
+    with pytest.raises(CorruptRecordError) as err:
+        decode_record(data, chunk=other)
+    assert err.value.reason == "key"
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda d: d[:10], "truncated"),
+    (lambda d: d[:-1], "truncated"),
+    (lambda d: d + b"x", "header"),
+    (lambda d: b"XXXX" + d[4:], "foreign"),
+    (lambda d: d[:4] + struct.pack("<H", 9) + d[6:], "version"),
+    (lambda d: d[:FRAME_BYTES + 3] + bytes([d[FRAME_BYTES + 3] ^ 1]) + d[FRAME_BYTES + 4:], "checksum"),
+    (lambda d: d[:-5] + bytes([d[-5] ^ 0x40]) + d[-4:], "checksum"),
+    (lambda d: b"", "truncated"),
+])
+def test_damaged_records_are_corrupt(damage, reason):
+    data, *_ = _record()
+    with pytest.raises(CorruptRecordError) as err:
+        decode_record(damage(data))
+    assert err.value.reason == reason
+    assert isinstance(err.value, ValueError) and isinstance(err.value, KVStoreError)
+
+
+def test_encode_rejects_inconsistent_input():
+    chunk = chunk_keys(NS, list(range(8)))[0]
+    with pytest.raises(ValueError, match="need"):
+        encode_record(namespace=NS, chunk=chunk, tokens=list(range(8)), dtype="bfloat16", shapes=[(4,)], kv=b"123")
+    with pytest.raises(ValueError, match="covers 8 tokens"):
+        encode_record(namespace=NS, chunk=chunk, tokens=[1, 2], dtype="bfloat16", shapes=[(1,)], kv=b"12")
+    with pytest.raises(ValueError, match="not supported"):
+        encode_record(namespace=NS, chunk=chunk, tokens=list(range(8)), dtype="int4", shapes=[(1,)], kv=b"1")
+
+
+def test_unknown_codec_name_is_a_config_error():
+    with pytest.raises(ConfigError, match="codec='snappy' is not known; accepted: raw, lz4"):
+        resolve_chain("snappy", 2)
+
+
+# -- property-based -----------------------------------------------------------------------------
+_dtypes = st.sampled_from(sorted(DTYPES))
+_shapes = st.lists(st.lists(st.integers(0, 6), min_size=1, max_size=4).map(tuple), min_size=1, max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=_dtypes, shapes=_shapes, codec=st.sampled_from(sorted(CHAINS)), ntok=st.integers(1, 8),
+       hidden=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_roundtrip_random_shapes_and_dtypes(dtype, shapes, codec, ntok, hidden, seed):
+    rng = np.random.default_rng(seed)
+    ns = Namespace(model="m", kv_dtype=dtype, layout="t", block_size=4, chunk_tokens=8)
+    tokens = rng.integers(0, 2**31, ntok)
+    chunk = chunk_keys(ns, tokens)[0]
+    n = DTYPES[dtype] * sum(math.prod(s) for s in shapes)
+    kv = rng.integers(0, 4, n, dtype=np.uint8).tobytes()  # low entropy so compressors engage
+    h = rng.integers(0, 256, 8, dtype=np.uint8).tobytes() if hidden else None
+    data = encode_record(namespace=ns, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes, kv=kv, hidden=h,
+                         hidden_dtype="float32" if hidden else None, hidden_shape=(2,) if hidden else None,
+                         chain=resolve_chain(codec, DTYPES[dtype]))
+    rec = decode_record(data, namespace=ns, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes)
+    assert bytes(rec.kv) == kv
+    assert (None if rec.hidden is None else bytes(rec.hidden)) == h
+
+
+def _decode_or_corrupt(data: bytes) -> None:
+    try:
+        decode_record(data)
+    except CorruptRecordError:
+        pass
+
+
+def _framed(header: bytes, payload: bytes) -> bytes:
+    return struct.pack("<4sHHII", MAGIC, 1, 0, len(header), zlib.crc32(header)) + header + payload
+
+
+_VALID = [_record(chain)[0] for chain in ((), ("lz4",), ("shuffle2", "lz4"), ("shuffle2", "zstd"))]
+_msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+_FIELDS = ["v", "ns", "key", "start", "partial", "tokens", "dtype", "shapes", "hidden", "codecs", "raw_len",
+           "payload_len", "checksum", "created"]
+
+
+@st.composite
+def _hostile_records(draw):
+    kind = draw(st.integers(0, 3))
+    if kind == 0:  # arbitrary bytes
+        return draw(st.binary(max_size=300))
+    base = draw(st.sampled_from(_VALID))
+    if kind == 1:  # byte-level mutations of a valid record
+        data = bytearray(base)
+        for _ in range(draw(st.integers(1, 6))):
+            op = draw(st.integers(0, 2))
+            pos = draw(st.integers(0, len(data) - 1)) if data else 0
+            if op == 0 and data:
+                data[pos] ^= draw(st.integers(1, 255))
+            elif op == 1:
+                del data[pos:pos + draw(st.integers(1, 64))]
+            else:
+                data[pos:pos] = draw(st.binary(min_size=1, max_size=16))
+        return bytes(data)
+    header = msgpack.unpackb(base[FRAME_BYTES:FRAME_BYTES + struct.unpack_from("<I", base, 8)[0]])
+    payload = base[FRAME_BYTES + struct.unpack_from("<I", base, 8)[0]:]
+    if kind == 2:  # a correctly framed header with fields replaced by arbitrary values
+        for field in draw(st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=3)):
+            if draw(st.booleans()):
+                header[field] = draw(_msgpack_values)
+            else:
+                header.pop(field, None)
+        return _framed(msgpack.packb(header, use_bin_type=True), payload)
+    # kind 3: framed arbitrary msgpack, or a consistent header over a payload that lies
+    if draw(st.booleans()):
+        return _framed(msgpack.packb(draw(_msgpack_values), use_bin_type=True), payload)
+    payload = draw(st.binary(max_size=len(payload) + 8))
+    import xxhash
+
+    header["payload_len"] = len(payload)
+    header["checksum"] = xxhash.xxh3_64_digest(payload)
+    return _framed(msgpack.packb(header, use_bin_type=True), payload)
+
+
+@settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_hostile_records())
+def test_decoder_fuzz_only_raises_corrupt_record_error(data):
+    _decode_or_corrupt(data)
