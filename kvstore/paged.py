@@ -1,0 +1,501 @@
+"""Paged KV-cache layouts and the transfer core shared by every engine adapter.
+
+An engine keeps each layer's KV in a paged tensor: token slot ``s = block_id * block_size +
+offset``. A ``PagedLayout`` says how one layer's tensor maps slots to memory and copies the KV
+of a list of slots to or from a contiguous *staging* tensor of ``chunk_shape(cache, n)``:
+
+* ``gather(cache, slots, out)``: the KV of ``slots`` into ``out`` (cache unchanged);
+* ``scatter(cache, slots, src)``: ``src`` into the cache at ``slots`` (the inverse);
+* ``name``: recorded in the ``Namespace`` (``layout``), so differently laid-out bytes never
+  share a key; ``granularity``: ``"token"`` (any slot list) or ``"block"`` (whole blocks only).
+
+Block-granular layouts (pages whose contents are opaque, e.g. vLLM's CPU attention packing)
+take the slots of whole blocks only: ``len(slots)`` a multiple of ``block_size`` and each run of
+``block_size`` slots one block in order; they copy pages as opaque bytes.
+
+Copies are vectorised (``index_select(out=)`` / ``index_copy_``, on an int64 view of the rows
+where the strides allow: measured ~1.6x faster for scatter), never a Python loop per token or
+block. Layouts accept arbitrary strides (vLLM hands GPU backends a permuted, non-contiguous
+view); where slots cannot be addressed as one merged dimension they fall back to advanced
+indexing, which is correct but slower.
+
+``KVTransfer`` is the engine-agnostic core the agent API and the vLLM connector both use: per
+sequence (tokens, slots) it saves chunks through a ``PrefixCache`` (gather -> staging ->
+record) and loads the longest stored prefix back (verified record -> staging -> scatter).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from abc import ABC, abstractmethod
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+
+from kvstore.keys import ChunkKey
+from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.record import Record
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PagedLayout", "FlashLayout", "BHNCLayout", "CPUPackedLayout", "MLALayout", "LAYOUTS",
+    "get_layout", "dtype_name", "StagingPool", "KVTransfer", "slots_from_block_table",
+]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the names records use)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def slots_from_block_table(block_ids: Sequence[int] | torch.Tensor, block_size: int, num_tokens: int,
+                           device: torch.device | str | None = None) -> torch.Tensor:
+    """Slots of the first ``num_tokens`` tokens of a sequence whose blocks are ``block_ids``."""
+    ids = torch.as_tensor(block_ids, dtype=torch.int64, device=device)
+    slots = (ids[:, None] * block_size + torch.arange(block_size, device=ids.device)).flatten()
+    if slots.numel() < num_tokens:
+        raise ValueError(f"{ids.numel()} blocks of {block_size} hold {slots.numel()} tokens, not {num_tokens}")
+    return slots[:num_tokens]
+
+
+def _try_view(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor | None:
+    try:
+        return t.view(*shape)
+    except RuntimeError:  # strides cannot be merged without a copy
+        return None
+
+
+def _as_int64(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` reinterpreted as int64 along its last dim (fewer, wider elements copy faster)."""
+    if t.dtype == torch.int64:
+        return t
+    if t.dim() == 0 or t.stride(-1) != 1 or (t.shape[-1] * t.element_size()) % 8:
+        return None
+    try:
+        v = t.view(torch.int64)
+    except RuntimeError:
+        return None
+    return v if v.data_ptr() % 8 == 0 else None
+
+
+class PagedLayout(ABC):
+    """How one layer's paged KV tensor maps token slots to memory. Stateless; thread-safe."""
+
+    #: Recorded in the namespace: differently laid-out bytes never share a key.
+    name: str
+    #: ``"token"``: any slots; ``"block"``: the slots of whole blocks only.
+    granularity: Literal["token", "block"]
+
+    @abstractmethod
+    def block_size(self, cache: torch.Tensor) -> int:
+        """Tokens per block of ``cache``."""
+
+    @abstractmethod
+    def num_blocks(self, cache: torch.Tensor) -> int:
+        """Blocks in ``cache``."""
+
+    @abstractmethod
+    def chunk_shape(self, cache: torch.Tensor, num_tokens: int) -> tuple[int, ...]:
+        """Shape of the staging tensor holding ``num_tokens`` tokens of one layer."""
+
+    @abstractmethod
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Copy the KV of ``slots`` (int64, on ``cache.device``) into ``out`` (contiguous,
+        ``chunk_shape(cache, len(slots))``, ``cache.dtype``, on ``cache.device``); returns ``out``."""
+
+    @abstractmethod
+    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (as ``gather`` writes it) into ``cache`` at ``slots``."""
+
+    def check_slots(self, cache: torch.Tensor, num_tokens: int) -> None:
+        """Raise ``ValueError`` if ``num_tokens`` slots cannot be copied by this layout."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class _TokenLayout(PagedLayout):
+    """A token-addressable layout, given as a view ``[*lead, num_blocks, block_size, *row]``."""
+
+    granularity: Literal["token", "block"] = "token"
+    _lead = 0  # leading dims before the block dim (flash: 1, the K/V axis)
+
+    @abstractmethod
+    def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
+        """A view ``[*lead, num_blocks, block_size, *row]`` of ``cache`` (no copy)."""
+
+    def block_size(self, cache: torch.Tensor) -> int:
+        return self._blocked(cache).shape[self._lead + 1]
+
+    def num_blocks(self, cache: torch.Tensor) -> int:
+        return self._blocked(cache).shape[self._lead]
+
+    def chunk_shape(self, cache: torch.Tensor, num_tokens: int) -> tuple[int, ...]:
+        b = self._blocked(cache)
+        return (*b.shape[:self._lead], num_tokens, *b.shape[self._lead + 2:])
+
+    def _rows(self, cache: torch.Tensor) -> torch.Tensor | None:
+        """``[*lead, num_slots, row_elems]`` view of ``cache``, or None if strides forbid it."""
+        b = self._blocked(cache)
+        lead = tuple(b.shape[:self._lead])
+        nslots = b.shape[self._lead] * b.shape[self._lead + 1]
+        return _try_view(b, (*lead, nslots, -1))
+
+    def _pair(self, cache: torch.Tensor, staging: torch.Tensor, n: int):
+        rows = self._rows(cache)
+        if rows is None:
+            return None
+        flat = staging.view(*rows.shape[:self._lead], n, -1)
+        r64, f64 = _as_int64(rows), _as_int64(flat)
+        if r64 is not None and f64 is not None:
+            return r64, f64
+        return rows, flat
+
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        pair = self._pair(cache, out, slots.numel())
+        if pair is not None:
+            torch.index_select(pair[0], self._lead, slots, out=pair[1])
+        else:
+            b = self._blocked(cache)
+            bs = b.shape[self._lead + 1]
+            idx = (slice(None),) * self._lead + (slots // bs, slots % bs)
+            out.copy_(b[idx])
+        return out
+
+    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        pair = self._pair(cache, src, slots.numel())
+        if pair is not None:
+            pair[0].index_copy_(self._lead, slots, pair[1])
+        else:
+            b = self._blocked(cache)
+            bs = b.shape[self._lead + 1]
+            idx = (slice(None),) * self._lead + (slots // bs, slots % bs)
+            b[idx] = src
+
+
+class FlashLayout(_TokenLayout):
+    """vLLM's legacy FlashAttention cache ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+
+    Staging: ``[2, n, num_kv_heads, head_size]`` (K then V).
+    """
+
+    name = "flash-2bnhd"
+    _lead = 1
+
+    def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
+        if cache.dim() != 5 or cache.shape[0] != 2:
+            raise ValueError(f"{self.name} cache must be [2, blocks, block_size, heads, head_size], got {list(cache.shape)}")
+        return cache
+
+
+class BHNCLayout(_TokenLayout):
+    """vLLM 0.32's per-layer logical view ``[num_blocks, num_kv_heads, block_size, 2*head_size]``
+    as GPU backends use it: ``view[b, :, n]`` is token ``n``'s K|V per head. Any strides: the
+    FlashAttention default is physically ``[B][N][H][2D]`` (a permuted view); ``HND`` is
+    ``[B][H][N][2D]`` (slower fallback path). Staging: ``[n, num_kv_heads, 2*head_size]``.
+    """
+
+    name = "vllm-bhnc"
+
+    def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
+        if cache.dim() != 4:
+            raise ValueError(f"{self.name} cache must be [blocks, heads, block_size, 2*head_size], got {list(cache.shape)}")
+        return cache.transpose(1, 2)
+
+
+class MLALayout(_TokenLayout):
+    """An MLA-style latent cache ``[num_blocks, block_size, latent_dim]``. Staging: ``[n, latent_dim]``."""
+
+    name = "mla-bnl"
+
+    def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
+        if cache.dim() != 3:
+            raise ValueError(f"{self.name} cache must be [blocks, block_size, latent_dim], got {list(cache.shape)}")
+        return cache
+
+
+class CPUPackedLayout(PagedLayout):
+    """vLLM 0.32's CPU attention cache: the view ``[num_blocks, num_kv_heads, block_size,
+    2*head_size]`` whose pages the kernel packs in an ISA-specific order (``vec``: K transposed;
+    ``amx``: VNNI tiles). Pages are opaque: whole blocks are copied as they are, and the ISA is
+    part of ``name`` so pages never move between hosts that pack differently.
+    Staging: ``[n // block_size, num_kv_heads, block_size, 2*head_size]``.
+    """
+
+    granularity: Literal["token", "block"] = "block"
+
+    def __init__(self, isa: str = "vec") -> None:
+        self.isa = isa
+        self.name = f"vllm-cpu-{isa}"
+
+    def _check(self, cache: torch.Tensor) -> None:
+        if cache.dim() != 4:
+            raise ValueError(f"{self.name} cache must be [blocks, heads, block_size, 2*head_size], got {list(cache.shape)}")
+
+    def block_size(self, cache: torch.Tensor) -> int:
+        self._check(cache)
+        return cache.shape[2]
+
+    def num_blocks(self, cache: torch.Tensor) -> int:
+        self._check(cache)
+        return cache.shape[0]
+
+    def check_slots(self, cache: torch.Tensor, num_tokens: int) -> None:
+        if num_tokens % self.block_size(cache):
+            raise ValueError(f"{self.name} copies whole blocks: {num_tokens} tokens is not a multiple "
+                             f"of block_size={self.block_size(cache)}")
+
+    def chunk_shape(self, cache: torch.Tensor, num_tokens: int) -> tuple[int, ...]:
+        self.check_slots(cache, num_tokens)
+        return (num_tokens // cache.shape[2], *cache.shape[1:])
+
+    def _block_ids(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size(cache)
+        self.check_slots(cache, slots.numel())
+        ids = slots[::bs] // bs
+        if slots.device.type == "cpu":  # cheap on host; on an accelerator it would force a sync
+            expect = (ids[:, None] * bs + torch.arange(bs)).flatten()
+            if not torch.equal(expect, slots):
+                raise ValueError(f"{self.name} copies whole blocks: slots must cover whole blocks in order")
+        return ids
+
+    def _pages(self, cache: torch.Tensor, staging: torch.Tensor):
+        pages = _try_view(cache, (cache.shape[0], -1))
+        if pages is None:
+            return cache, staging
+        flat = staging.view(staging.shape[0], -1)
+        p64, f64 = _as_int64(pages), _as_int64(flat)
+        return (p64, f64) if p64 is not None and f64 is not None else (pages, flat)
+
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        pages, flat = self._pages(cache, out)
+        torch.index_select(pages, 0, self._block_ids(cache, slots), out=flat)
+        return out
+
+    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        pages, flat = self._pages(cache, src)
+        pages.index_copy_(0, self._block_ids(cache, slots), flat)
+
+
+#: Layouts by name (``get_layout``); the CPU one for the ``vec`` ISA of this kind of host.
+LAYOUTS: dict[str, PagedLayout] = {
+    lay.name: lay for lay in (FlashLayout(), BHNCLayout(), MLALayout(), CPUPackedLayout("vec"),
+                              CPUPackedLayout("amx"))
+}
+
+
+def get_layout(name: str | PagedLayout) -> PagedLayout:
+    """The layout called ``name`` (``ValueError`` naming the accepted ones otherwise)."""
+    if isinstance(name, PagedLayout):
+        return name
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown KV layout {name!r}; accepted: {', '.join(LAYOUTS)}") from None
+
+
+class StagingPool:
+    """Reusable host staging memory, one growing byte buffer per slot name.
+
+    On CUDA the buffers are pinned so device<->host copies can be asynchronous; on CPU they are
+    plain memory (and no CUDA call is made). A tensor handed out is valid until the next
+    ``get`` of the same ``name``. Not thread-safe: one pool per transfer.
+    """
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = bool(pin) and torch.cuda.is_available()
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        buf = self._bufs.get(name)
+        if buf is None or buf.numel() < nbytes:
+            # Grow geometrically: a fresh large allocation page-faults (~2.5 GB/s), reuse runs at memcpy speed.
+            size = max(nbytes, 0 if buf is None else buf.numel() * 2)
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            self._bufs[name] = buf
+        return buf[:nbytes].view(dtype).view(*shape)
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+class KVTransfer:
+    """Save and load token prefixes of a sequence between a paged KV cache and a store.
+
+    ``kv_caches`` are this rank's layers (``layout`` describes each), all of one dtype and
+    device. Every record holds all these layers for one chunk (``shapes``: one
+    ``chunk_shape`` per layer) plus, when known, the hidden state of the chunk's last token.
+    The ``PrefixCache``'s namespace must name this layout, dtype, block size and layer range;
+    ``KVTransfer`` checks what it can at construction.
+
+    Block-granular layouts save and load whole blocks only (a final partial block is neither
+    stored nor loaded). Nothing here raises a storage or record error: a failed load is a
+    shorter (or zero) hit.
+    """
+
+    def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout | str) -> None:
+        if not kv_caches:
+            raise ValueError("KVTransfer needs at least one layer's KV cache")
+        self.cache = cache
+        self.kv_caches = list(kv_caches)
+        self.layout = get_layout(layout)
+        first = self.kv_caches[0]
+        self.device, self.dtype = first.device, first.dtype
+        self.block_size = self.layout.block_size(first)
+        for i, c in enumerate(self.kv_caches):
+            if c.dtype != self.dtype or c.device != self.device or c.shape != first.shape:
+                raise ValueError(f"layer {i} cache is {c.dtype}{list(c.shape)} on {c.device}; "
+                                 f"layer 0 is {self.dtype}{list(first.shape)} on {self.device}")
+        ns = cache.namespace
+        problems = []
+        if ns.layout != self.layout.name:
+            problems.append(f"layout={ns.layout!r} (cache is {self.layout.name!r})")
+        if ns.kv_dtype != dtype_name(self.dtype):
+            problems.append(f"kv_dtype={ns.kv_dtype!r} (cache is {dtype_name(self.dtype)!r})")
+        if ns.block_size != self.block_size:
+            problems.append(f"block_size={ns.block_size} (cache has {self.block_size})")
+        if ns.layer_end - ns.layer_start != len(self.kv_caches):
+            problems.append(f"layer range [{ns.layer_start}, {ns.layer_end}) for {len(self.kv_caches)} layers")
+        if problems:
+            from kvstore.errors import ConfigError
+
+            raise ConfigError("namespace does not describe the KV cache: " + "; ".join(problems))
+        self.on_cuda = self.device.type == "cuda"
+        self.pool = StagingPool(pin=self.on_cuda)
+        self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def usable_tokens(self, num_tokens: int) -> int:
+        """How many leading tokens of a ``num_tokens`` sequence this layout can store or load."""
+        if self.layout.granularity == "block":
+            return num_tokens - num_tokens % self.block_size
+        return num_tokens
+
+    def keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, max_tokens: int | None = None) -> list[ChunkKey]:
+        """Chunk keys of the storable part of ``tokens`` (up to ``max_tokens``)."""
+        arr = _token_array(tokens)
+        n = self.usable_tokens(arr.shape[0])
+        return self.cache.keys(arr[:n], max_tokens=max_tokens)
+
+    def _shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
+        return [self.layout.chunk_shape(self.kv_caches[0], num_tokens)] * len(self.kv_caches)
+
+    def _staging(self, num_tokens: int, device_side: bool = False) -> torch.Tensor:
+        shape = (len(self.kv_caches), *self.layout.chunk_shape(self.kv_caches[0], num_tokens))
+        if device_side:
+            buf = getattr(self, "_dev_buf", None)
+            if buf is None or buf.numel() < math.prod(shape):
+                self._dev_buf = buf = torch.empty(math.prod(shape), dtype=self.dtype, device=self.device)
+            return buf[:math.prod(shape)].view(shape)
+        return self.pool.get("kv", shape, self.dtype)
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, max_tokens: int | None = None) -> int:
+        """Tokens of the longest stored prefix (one lookup round trip; nothing is loaded)."""
+        return self.cache.lookup_tokens(self.keys(tokens, max_tokens))
+
+    # -- save ------------------------------------------------------------------------------
+    def save_sequence(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, slots: torch.Tensor,
+                      hidden_states: torch.Tensor | None = None, start_token: int = 0) -> int:
+        """Store the chunks of ``tokens`` whose KV sits at ``slots`` (one slot per token).
+
+        ``hidden_states[i]`` (optional) is the hidden state of token ``start_token + i``; each
+        chunk whose last token has one stores it. Chunks already stored are not rebuilt or
+        rewritten. Returns the number of chunks written (handed to the store).
+        """
+        arr = _token_array(tokens)
+        if slots.numel() < arr.shape[0]:
+            raise ValueError(f"{arr.shape[0]} tokens need as many slots, got {slots.numel()}")
+        keys = self.keys(arr)
+        if not keys:
+            return 0
+        slots = slots.to(self.device, torch.int64)
+
+        def payload(chunk: ChunkKey) -> ChunkPayload:
+            staging = self._gather(slots[chunk.start:chunk.end])
+            hidden = hidden_dtype = hidden_shape = None
+            row = chunk.end - 1 - start_token
+            if hidden_states is not None and 0 <= row < hidden_states.shape[0]:
+                h = hidden_states[row].detach().to("cpu").contiguous()
+                hidden, hidden_dtype, hidden_shape = _tensor_bytes(h), dtype_name(h.dtype), tuple(h.shape)
+            return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=_tensor_bytes(staging),
+                                hidden=hidden, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape)
+
+        return self.cache.save(arr[:keys[-1].end], keys, payload)
+
+    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+        n = slots.numel()
+        host = self._staging(n)
+        if not self.on_cuda:
+            for layer, cache in enumerate(self.kv_caches):
+                self.layout.gather(cache, slots, host[layer])
+            return host
+        dev = self._staging(n, device_side=True)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for layer, cache in enumerate(self.kv_caches):
+                self.layout.gather(cache, slots, dev[layer])
+            host.copy_(dev, non_blocking=True)
+        stream.synchronize()  # the record encoder reads the host bytes next
+        return host
+
+    # -- load ------------------------------------------------------------------------------
+    def load_sequence(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, slots: torch.Tensor,
+                      max_tokens: int | None = None) -> tuple[int, torch.Tensor | None]:
+        """Load the longest stored prefix of ``tokens`` into ``slots``.
+
+        Only chunks ending at or before ``max_tokens`` are considered. Each chunk is verified
+        before its KV is scattered. Returns ``(tokens loaded, hidden state of the last loaded
+        token or None)``; the hidden state is a new CPU tensor.
+        """
+        arr = _token_array(tokens)
+        keys = self.keys(arr, max_tokens)
+        if not keys:
+            return 0, None
+        n = self.cache.lookup(keys)
+        if n == 0:
+            return 0, None
+        keys = keys[:n]
+        slots = slots.to(self.device, torch.int64)
+
+        def sink(chunk: ChunkKey, record: Record) -> None:
+            self._scatter(slots[chunk.start:chunk.end], record.kv)
+
+        result = self.cache.load(arr[:keys[-1].end], keys, sink,
+                                 shapes=lambda c: self._shapes(c.num_tokens))
+        if self.on_cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        hidden = None
+        rec = result.last_record
+        if result.num_tokens and rec is not None and rec.hidden is not None and rec.header.hidden_shape is not None:
+            dt = getattr(torch, rec.header.hidden_dtype or "", None)
+            if isinstance(dt, torch.dtype):
+                hidden = torch.frombuffer(bytearray(rec.hidden), dtype=dt).view(rec.header.hidden_shape)
+        return result.num_tokens, hidden
+
+    def _scatter(self, slots: torch.Tensor, kv: memoryview | bytes) -> None:
+        n = slots.numel()
+        host = self._staging(n)
+        # Copy into our staging first: record bytes are read-only and not necessarily 8-byte aligned.
+        np.copyto(host.view(-1).view(torch.uint8).numpy(), np.frombuffer(kv, dtype=np.uint8))
+        if not self.on_cuda:
+            for layer, cache in enumerate(self.kv_caches):
+                self.layout.scatter(cache, slots, host[layer])
+            return
+        dev = self._staging(n, device_side=True)
+        with torch.cuda.stream(self._stream):
+            dev.copy_(host, non_blocking=True)
+            for layer, cache in enumerate(self.kv_caches):
+                self.layout.scatter(cache, slots, dev[layer])
+        self._stream.synchronize()  # host staging is reused by the next chunk
+
+
+def _token_array(tokens: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(tokens, torch.Tensor):
+        tokens = tokens.detach().to("cpu").numpy()
+    return np.ascontiguousarray(np.asarray(tokens), dtype="<u4")
