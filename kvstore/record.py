@@ -297,6 +297,8 @@ def read_header(data: Buffer) -> RecordHeader:
     if header.raw_len > MAX_RAW_BYTES or (
             header.codecs and header.raw_len > _MAX_COMPRESSION_RATIO * header.payload_len + 4096):
         raise _fail(f"raw_len {header.raw_len} is implausible for a {header.payload_len}-byte payload", "header")
+    if header.hidden_len > header.payload_len:
+        raise _fail("hidden state is larger than the payload", "header")
     if not header.codecs and header.payload_len != header.raw_len + header.hidden_len:
         raise _fail("payload_len disagrees with raw_len for an uncompressed record", "header")
     actual = len(view) - FRAME_BYTES - header_len

@@ -1,0 +1,22 @@
+# The two commands of the README's quickstart, and a few conveniences.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test test-fast bench clean
+
+demo:  ## set up (core) and run the two-replica demo on the embedded file store
+	scripts/bootstrap core
+	$(VENV)/bin/kvstore demo
+
+test:  ## set up (everything, incl. redis-server and vLLM CPU) and run the whole test suite
+	scripts/bootstrap test
+	$(PY) -m pytest
+
+test-fast:  ## the suite without the real-vLLM tests
+	$(PY) -m pytest -m "not vllm"
+
+bench:  ## the benchmarks that need no servers set up by hand
+	cd benchmarks && ../$(PY) bench_codec.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

@@ -1,0 +1,52 @@
+"""Shared helpers for the benchmarks: timing with medians, machine description, tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+
+def machine() -> str:
+    """One line describing this machine and the library versions that matter."""
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import torch
+
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"{platform.system()} {platform.release()}")
+
+
+def timeit(fn: Callable[[], object], *, reps: int = 7, warmup: int = 1, setup: Callable[[], object] | None = None) -> list[float]:
+    """Seconds per call for ``reps`` calls after ``warmup`` calls (``setup`` runs untimed before each)."""
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    times = []
+    for _ in range(reps):
+        if setup:
+            setup()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def gbps(nbytes: int, times: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) GB/s (10^9 bytes per second) for ``nbytes`` moved per call."""
+    rates = sorted(nbytes / t / 1e9 for t in times)
+    return statistics.median(rates), rates[0], rates[-1]
+
+
+def fmt(rate: tuple[float, float, float]) -> str:
+    return f"{rate[0]:6.2f} [{rate[1]:.2f}-{rate[2]:.2f}]"
