@@ -164,3 +164,10 @@ BYTES_WRITTEN = REGISTRY.counter("kvstore_bytes_written_total", "Record bytes wr
 CORRUPT = REGISTRY.counter("kvstore_corrupt_records_total", "Records rejected by validation, by reason.", ("reason",))
 ERRORS = REGISTRY.counter("kvstore_errors_total", "Store errors by tier and kind.", ("tier", "kind"))
 LATENCY = REGISTRY.histogram("kvstore_op_seconds", "Latency of cache operations.", ("op",))
+
+# Operations (kvstore warm, the metrics endpoint).
+WARM_PROMPTS = REGISTRY.counter("kvstore_warm_prompts_total",
+                                "Prompts processed by kvstore warm, by result (warmed, skipped, failed, invalid).",
+                                ("result",))
+INFO = REGISTRY.gauge("kvstore_info", "Always 1; labels carry the kvstore version and record format.",
+                      ("version", "format_version"))

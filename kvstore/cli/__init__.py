@@ -18,6 +18,7 @@ from kvstore.errors import KVStoreError
 
 COMMANDS = (
     "kvstore.cli.selftest",
+    "kvstore.cli.admin",
 )
 
 #: Default store for every command: the ``KVSTORE_STORE`` environment variable (URLs separated by

@@ -1,0 +1,250 @@
+"""``kvstore stats/ls/inspect/rm/gc``: behaviour on real stores, and clean failures.
+
+Most cases call ``kvstore.cli.main`` in-process (fast); the error cases that promise "one line,
+non-zero exit, no traceback" also run the installed ``kvstore`` console script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore import open_store
+from kvstore.cli import main
+from kvstore.keys import FORMAT_VERSION, Namespace
+from kvstore.prefix_cache import ChunkPayload, PrefixCache
+
+CHUNK = 32
+
+
+def _namespace(model: str) -> Namespace:
+    return Namespace(model=model, kv_dtype="float16", layout="test", block_size=16, chunk_tokens=CHUNK, layer_end=2)
+
+
+def _fill(url: str, model: str, num_tokens: int, *, created: float | None = None, seed: int = 0) -> list[str]:
+    """Save a synthetic prompt's KV under ``model``'s namespace; returns its keys."""
+    ns = _namespace(model)
+    tokens = np.random.default_rng(seed).integers(0, 32000, num_tokens)
+    with open_store(url) as store:
+        cache = PrefixCache(store, ns)
+        keys = cache.keys(tokens)
+
+        def payload(c):
+            return ChunkPayload(shapes=[(c.num_tokens, 8)] * 2, kv=np.ones((2, c.num_tokens, 8), np.float16))
+
+        if created is None:
+            cache.save(tokens, keys, payload)
+        else:  # records written "in the past": encode with an explicit creation time
+            from kvstore.record import encode_record
+
+            arr = np.asarray(tokens)
+            for c in keys:
+                p = payload(c)
+                store.put(c.key, encode_record(namespace=ns, chunk=c, tokens=arr[c.start:c.end], dtype="float16",
+                                               shapes=p.shapes, kv=p.kv, created=created))
+    return [k.key for k in keys]
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    return f"file://{tmp_path}/kv"
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_stats_counts_records_and_bytes_per_namespace(store_url, capsys):
+    a = _fill(store_url, "model-a", 100)  # 4 chunks (3 full + 1 partial)
+    b = _fill(store_url, "model-b", 64, seed=1)  # 2 chunks
+    with open_store(store_url) as s:
+        s.put("someone/else", b"xyz")
+        sizes_a = sum(s.size_many(a))
+    rc, out, _ = run_cli(capsys, "stats", "--store", store_url, "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    (tier,) = doc["tiers"]
+    by_ns = {n["namespace"]: n for n in tier["namespaces"]}
+    assert by_ns[_namespace("model-a").id]["records"] == len(a) == 4
+    assert by_ns[_namespace("model-a").id]["bytes"] == sizes_a
+    assert by_ns[_namespace("model-b").id]["records"] == len(b) == 2
+    assert tier["records"] == 6 and tier["other_keys"] == {"records": 1, "bytes": 3}
+    rc, out, _ = run_cli(capsys, "stats", "--store", store_url)
+    assert rc == 0 and _namespace("model-a").id in out and "(total)" in out and "RECORDS" in out
+
+
+def test_stats_per_tier(tmp_path, capsys):
+    top, bottom = f"file://{tmp_path}/top", f"file://{tmp_path}/bottom"
+    _fill(top, "m", 64)
+    _fill(bottom, "m", 128)
+    rc, out, _ = run_cli(capsys, "stats", "--store", top, "--store", bottom, "--json")
+    tiers = json.loads(out)["tiers"]
+    assert [t["tier"] for t in tiers] == [top, bottom]
+    assert [t["records"] for t in tiers] == [2, 4]
+
+
+def test_store_from_environment(store_url, capsys, monkeypatch):
+    _fill(store_url, "m", 64)
+    monkeypatch.setenv("KVSTORE_STORE", store_url)
+    rc, out, _ = run_cli(capsys, "ls")
+    assert rc == 0 and len(out.split()) == 2
+
+
+def test_ls_lists_keys_of_a_namespace(store_url, capsys):
+    a = _fill(store_url, "model-a", 100)
+    _fill(store_url, "model-b", 64, seed=1)
+    rc, out, _ = run_cli(capsys, "ls", "--store", store_url, "--namespace", _namespace("model-a").id)
+    assert rc == 0 and sorted(out.split()) == sorted(a)
+    rc, out, _ = run_cli(capsys, "ls", "--store", store_url, "--json", "--long")
+    keys = json.loads(out)["keys"]
+    assert len(keys) == 6 and all(k["bytes"] > 0 for k in keys)
+    rc, out, err = run_cli(capsys, "ls", "--store", store_url, "--limit", "3")
+    assert len(out.split()) == 3 and "--limit" in err
+
+
+def test_inspect_shows_header(store_url, capsys):
+    keys = _fill(store_url, "model-a", 100)
+    rc, out, _ = run_cli(capsys, "inspect", "--store", store_url, keys[1], "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    h = doc["header"]
+    assert h["version"] == FORMAT_VERSION and h["start"] == CHUNK and h["num_tokens"] == CHUNK
+    assert h["namespace"] == _namespace("model-a").digest.hex()
+    assert len(h["tokens"]) == CHUNK and h["dtype"] == "float16" and h["shapes"] == [[CHUNK, 8]] * 2
+    assert doc["tiers"][0]["valid"] is True
+    rc, out, _ = run_cli(capsys, "inspect", "--store", store_url, keys[-1])
+    assert rc == 0 and "partial chunk" in out and "valid" in out and "created:" in out
+
+
+def test_inspect_reports_damaged_and_missing_records(store_url, capsys):
+    keys = _fill(store_url, "model-a", 64)
+    with open_store(store_url) as s:
+        damaged = bytearray(s.get(keys[0]))
+        damaged[-1] ^= 0xFF
+        s.put(keys[0], damaged)
+    rc, out, _ = run_cli(capsys, "inspect", "--store", store_url, keys[0])
+    assert rc == 1 and "INVALID" in out and "checksum" in out
+    rc, out, err = run_cli(capsys, "inspect", "--store", store_url, "kvs1/0000000000000000/" + "0" * 32)
+    assert rc == 1 and "not stored in any tier" in err
+
+
+def test_rm_namespace_needs_yes(tmp_path, capsys):
+    top, bottom = f"file://{tmp_path}/top", f"file://{tmp_path}/bottom"
+    a = _fill(top, "model-a", 100) and _fill(bottom, "model-a", 100)
+    b = _fill(bottom, "model-b", 64, seed=1)
+    ns = _namespace("model-a").id
+    rc, out, err = run_cli(capsys, "rm", "--store", top, "--store", bottom, "--namespace", ns)
+    assert rc == 1 and "would remove 4 records" in out and "--yes" in err
+    with open_store(bottom) as s:
+        assert all(s.exists(k) for k in a)
+    rc, out, _ = run_cli(capsys, "rm", "--store", top, "--store", bottom, "--namespace", f"kvs1/{ns}", "--yes", "--json")
+    assert rc == 0 and [t["removed"] for t in json.loads(out)["tiers"]] == [4, 4]
+    for url in (top, bottom):
+        with open_store(url) as s:
+            assert not any(s.exists(k) for k in a)
+    with open_store(bottom) as s:
+        assert all(s.exists(k) for k in b)  # another namespace is untouched
+
+
+def test_rm_single_keys(store_url, capsys):
+    keys = _fill(store_url, "m", 100)
+    rc, out, _ = run_cli(capsys, "rm", "--store", store_url, keys[-1], "--yes")
+    assert rc == 0 and "removed 1 records" in out
+    with open_store(store_url) as s:
+        assert [s.exists(k) for k in keys] == [True, True, True, False]
+
+
+def test_gc_removes_expired_old_format_and_undecodable(store_url, capsys):
+    old = _fill(store_url, "old", 64, created=time.time() - 10 * 86400)
+    fresh = _fill(store_url, "fresh", 64, seed=2)
+    junk = f"kvs{FORMAT_VERSION}/{'ab' * 8}/{'cd' * 16}"
+    old_format = f"kvs{FORMAT_VERSION - 1}/{'ab' * 8}/{'cd' * 16}"
+    newer_format = f"kvs{FORMAT_VERSION + 1}/{'ab' * 8}/{'cd' * 16}"
+    with open_store(store_url) as s:
+        s.put(junk, b"definitely not a kvstore record")
+        s.put(old_format, b"written by an old build")
+        s.put(newer_format, b"written by a newer build")
+        s.put("unrelated", b"not ours")
+        # A valid record stored under another key: must not be served under the wrong name.
+        moved = f"kvs{FORMAT_VERSION}/{fresh[0].split('/')[1]}/{'ee' * 16}"
+        s.put(moved, s.get(fresh[0]))
+    rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--older-than", "7d", "--dry-run", "--json")
+    (t,) = json.loads(out)["tiers"]
+    assert t["removed"] == {"expired": 2, "undecodable:foreign": 1, "old-version": 1, "mismatch": 1}
+    assert t["kept"] == 2 and t["newer_version"] == 1
+    with open_store(store_url) as s:
+        assert s.exists(junk) and all(s.exists(k) for k in old)  # dry run removes nothing
+    rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--older-than", "7d", "--batch", "2")
+    assert rc == 0 and "removed 5" in out
+    with open_store(store_url) as s:
+        left = set(s.iter_keys())
+    assert left == set(fresh) | {newer_format, "unrelated"}
+
+
+def test_gc_verify_finds_damaged_payloads(store_url, capsys):
+    keys = _fill(store_url, "m", 64)
+    with open_store(store_url) as s:
+        damaged = bytearray(s.get(keys[1]))
+        damaged[-1] ^= 0xFF
+        s.put(keys[1], damaged)
+    rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--json")
+    assert json.loads(out)["tiers"][0]["removed"] == {}  # headers alone look fine
+    rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--verify", "--json")
+    assert json.loads(out)["tiers"][0]["removed"] == {"undecodable:checksum": 1}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["stats", "--store", "bogus://x"], "unknown store scheme"),
+    (["stats", "--store", "no-scheme-here"], "has no scheme"),
+    (["stats", "--store", "memory://?max_bytes=lots"], "max_bytes"),
+    (["ls", "--store", "memory://", "--namespace", "xyz"], "not a namespace id"),
+    (["gc", "--store", "memory://", "--older-than", "soon"], "--older-than"),
+    (["rm", "--store", "memory://"], "needs --namespace"),
+])
+def test_bad_input_is_one_line_exit_2(capsys, argv, message):
+    rc, out, err = run_cli(capsys, *argv)
+    assert rc == 2
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def _console_script() -> list[str]:
+    script = shutil.which("kvstore", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    return [script] if script else [sys.executable, "-m", "kvstore.cli"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["stats", "--store", "redis://127.0.0.1:1/0?connect_timeout=0.5s"], "127.0.0.1:1"),
+    (["gc", "--store", "redis://127.0.0.1:1/0?connect_timeout=0.5s"], "127.0.0.1:1"),
+    (["ls", "--store", "redis://host:notaport/0"], "port"),
+    (["inspect", "--store", "bogus://x", "kvs1/x/y"], "unknown store scheme"),
+])
+def test_console_script_fails_cleanly(argv, message):
+    proc = subprocess.run(_console_script() + argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+    assert lines[0].startswith(f"kvstore {argv[0]}: error:")
+
+
+def test_commands_against_redis(redis_server, capsys):
+    url = redis_server.url
+    keys = _fill(url, "model-r", 100)
+    rc, out, _ = run_cli(capsys, "stats", "--store", url, "--json")
+    (tier,) = json.loads(out)["tiers"]
+    assert {n["namespace"]: n["records"] for n in tier["namespaces"]}[_namespace("model-r").id] == 4
+    rc, out, _ = run_cli(capsys, "inspect", "--store", url, keys[0], "--json")
+    assert rc == 0 and json.loads(out)["header"]["start"] == 0
+    rc, out, _ = run_cli(capsys, "rm", "--store", url, "--namespace", _namespace("model-r").id, "--yes")
+    assert rc == 0
+    with open_store(url) as s:
+        assert not any(s.exists(k) for k in keys)
