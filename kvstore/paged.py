@@ -34,7 +34,7 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from kvstore.keys import ChunkKey
+from kvstore.keys import ChunkKey, Namespace
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.record import Record
 
@@ -376,11 +376,13 @@ class KVTransfer:
             return num_tokens - num_tokens % self.block_size
         return num_tokens
 
-    def keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, max_tokens: int | None = None) -> list[ChunkKey]:
-        """Chunk keys of the storable part of ``tokens`` (up to ``max_tokens``)."""
+    def keys(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, max_tokens: int | None = None,
+             namespace: Namespace | None = None) -> list[ChunkKey]:
+        """Chunk keys of the storable part of ``tokens`` (up to ``max_tokens``), under
+        ``namespace`` (default: the cache's; e.g. ``namespace.with_salt(...)`` per tenant)."""
         arr = _token_array(tokens)
         n = self.usable_tokens(arr.shape[0])
-        return self.cache.keys(arr[:n], max_tokens=max_tokens)
+        return self.cache.keys(arr[:n], max_tokens=max_tokens, namespace=namespace)
 
     def _shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
         return [self.layout.chunk_shape(self.kv_caches[0], num_tokens)] * len(self.kv_caches)
@@ -400,17 +402,19 @@ class KVTransfer:
 
     # -- save ------------------------------------------------------------------------------
     def save_sequence(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, slots: torch.Tensor,
-                      hidden_states: torch.Tensor | None = None, start_token: int = 0) -> int:
+                      hidden_states: torch.Tensor | None = None, start_token: int = 0,
+                      namespace: Namespace | None = None) -> int:
         """Store the chunks of ``tokens`` whose KV sits at ``slots`` (one slot per token).
 
         ``hidden_states[i]`` (optional) is the hidden state of token ``start_token + i``; each
         chunk whose last token has one stores it. Chunks already stored are not rebuilt or
-        rewritten. Returns the number of chunks written (handed to the store).
+        rewritten. ``namespace`` overrides the cache's (same layout, e.g. another cache salt).
+        Returns the number of chunks written (handed to the store).
         """
         arr = _token_array(tokens)
         if slots.numel() < arr.shape[0]:
             raise ValueError(f"{arr.shape[0]} tokens need as many slots, got {slots.numel()}")
-        keys = self.keys(arr)
+        keys = self.keys(arr, namespace=namespace)
         if not keys:
             return 0
         slots = slots.to(self.device, torch.int64)
@@ -425,7 +429,7 @@ class KVTransfer:
             return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=_tensor_bytes(staging),
                                 hidden=hidden, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape)
 
-        return self.cache.save(arr[:keys[-1].end], keys, payload)
+        return self.cache.save(arr[:keys[-1].end], keys, payload, namespace=namespace)
 
     def _gather(self, slots: torch.Tensor) -> torch.Tensor:
         n = slots.numel()
@@ -446,17 +450,25 @@ class KVTransfer:
 
     # -- load ------------------------------------------------------------------------------
     def load_sequence(self, tokens: Sequence[int] | np.ndarray | torch.Tensor, slots: torch.Tensor,
-                      max_tokens: int | None = None) -> tuple[int, torch.Tensor | None]:
+                      max_tokens: int | None = None, *, skip_tokens: int = 0,
+                      namespace: Namespace | None = None) -> tuple[int, torch.Tensor | None]:
         """Load the longest stored prefix of ``tokens`` into ``slots``.
 
         Only chunks ending at or before ``max_tokens`` are considered. Each chunk is verified
-        before its KV is scattered. Returns ``(tokens loaded, hidden state of the last loaded
-        token or None)``; the hidden state is a new CPU tensor.
+        before its KV is scattered. ``skip_tokens`` leading tokens are already in the cache
+        (an engine's local prefix hit, possibly shared blocks): chunks ending there are not
+        fetched and those slots are never written (``slots`` may hold anything for them); on
+        a block-granular layout it must be a whole number of blocks. ``namespace`` overrides
+        the cache's. Returns ``(tokens present: skip_tokens or the end of the loaded prefix,
+        hidden state of the last loaded token or None)``; the hidden state is a new CPU tensor.
         """
         arr = _token_array(tokens)
-        keys = self.keys(arr, max_tokens)
+        if skip_tokens < 0 or (self.layout.granularity == "block" and skip_tokens % self.block_size):
+            raise ValueError(f"skip_tokens={skip_tokens} must be a non-negative multiple of "
+                             f"block_size={self.block_size} for {self.layout.name}")
+        keys = [k for k in self.keys(arr, max_tokens, namespace=namespace) if k.end > skip_tokens]
         if not keys:
-            return 0, None
+            return min(skip_tokens, arr.shape[0]), None
         n = self.cache.lookup(keys)
         if n == 0:
             return 0, None
@@ -464,10 +476,10 @@ class KVTransfer:
         slots = slots.to(self.device, torch.int64)
 
         def sink(chunk: ChunkKey, record: Record) -> None:
-            self._scatter(slots[chunk.start:chunk.end], record.kv)
+            self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
 
         result = self.cache.load(arr[:keys[-1].end], keys, sink,
-                                 shapes=lambda c: self._shapes(c.num_tokens))
+                                 shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace)
         if self.on_cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         hidden = None
@@ -476,13 +488,26 @@ class KVTransfer:
             dt = getattr(torch, rec.header.hidden_dtype or "", None)
             if isinstance(dt, torch.dtype):
                 hidden = torch.frombuffer(bytearray(rec.hidden), dtype=dt).view(rec.header.hidden_shape)
-        return result.num_tokens, hidden
+        return (result.num_tokens if result.num_tokens else min(skip_tokens, arr.shape[0])), hidden
 
-    def _scatter(self, slots: torch.Tensor, kv: memoryview | bytes) -> None:
+    def _token_rows(self, staging: torch.Tensor, num_tokens: int, skip: int) -> torch.Tensor:
+        """The part of one layer's staging (``chunk_shape(num_tokens)``) after its first ``skip`` tokens."""
+        full = self.layout.chunk_shape(self.kv_caches[0], num_tokens)
+        rest = self.layout.chunk_shape(self.kv_caches[0], num_tokens - skip)
+        axis = next(i for i, (a, b) in enumerate(zip(full, rest)) if a != b)
+        return staging.narrow(axis, full[axis] - rest[axis], rest[axis]).contiguous()
+
+    def _scatter(self, slots: torch.Tensor, kv: memoryview | bytes, skip: int = 0) -> None:
         n = slots.numel()
         host = self._staging(n)
         # Copy into our staging first: record bytes are read-only and not necessarily 8-byte aligned.
         np.copyto(host.view(-1).view(torch.uint8).numpy(), np.frombuffer(kv, dtype=np.uint8))
+        if skip:  # the chunk's first tokens are already in the cache: write only the rest
+            for layer, cache in enumerate(self.kv_caches):
+                self.layout.scatter(cache, slots[skip:], self._token_rows(host[layer], n, skip).to(self.device))
+            if self.on_cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            return
         if not self.on_cuda:
             for layer, cache in enumerate(self.kv_caches):
                 self.layout.scatter(cache, slots, host[layer])
