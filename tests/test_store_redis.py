@@ -1,0 +1,156 @@
+"""RedisStore against a real redis-server: the conformance suite over TCP and a Unix socket,
+plus configuration, TTL, prefix, large values and error mapping."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import redis
+
+from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.stores import open_store
+from kvstore.stores.redis import RedisConfig, RedisStore
+from kvstore.testing.store_tests import StoreTests
+
+
+class TestRedisStore(StoreTests):
+    @pytest.fixture
+    def store(self, redis_server):
+        redis_server.flushall()
+        with open_store(redis_server.url) as store:
+            yield store
+
+    def bypass_get(self, store, key):
+        with redis.Redis(port=store.config.hosts[0][1]) as client:
+            return client.get(key)
+
+    def bypass_put(self, store, key, value):
+        with redis.Redis(port=store.config.hosts[0][1]) as client:
+            client.set(key, value)
+
+
+class TestRedisStoreUnixSocketWithPrefix(StoreTests):
+    @pytest.fixture
+    def store(self, redis_server):
+        redis_server.flushall()
+        with open_store(redis_server.unix_url + "?prefix=app1/&ttl=1h") as store:
+            yield store
+
+    def bypass_get(self, store, key):
+        with store._redis.client() as client:  # the same socket, no prefix applied
+            return client.get("app1/" + key)
+
+    def bypass_put(self, store, key, value):
+        with store._redis.client() as client:
+            client.set("app1/" + key, value)
+
+
+def test_ttl_and_prefix_are_applied(redis_server):
+    redis_server.flushall()
+    with open_store(redis_server.url + "/0?ttl=90s&prefix=kv/") as store:
+        store.put("a", b"1")
+        store.put_many([("b", b"2")])
+        with redis_server.client() as raw:
+            assert 85 <= raw.ttl("kv/a") <= 90 and 85 <= raw.ttl("kv/b") <= 90
+            raw.set("other", b"x")
+        assert sorted(store.iter_keys()) == ["a", "b"]  # keys outside the prefix are not ours
+
+
+def test_large_record_from_memoryview_without_copy(redis_server):
+    """A 40 MiB value given as a memoryview of a bigger buffer round-trips exactly."""
+    redis_server.flushall()
+    buf = bytearray(os.urandom(41 << 20))
+    view = memoryview(buf)[1 << 20:]
+    with open_store(redis_server.url) as store:
+        store.put("big", view)
+        store.put_many([("big2", view)])
+        assert store.get("big") == bytes(view)
+        assert store.get_many(["big2"])[0] == bytes(view)
+
+
+def test_packer_sends_large_values_as_the_callers_buffer():
+    from kvstore.stores.redis import _ZeroCopyPacker
+
+    value = memoryview(bytearray(1 << 20))
+    packed = _ZeroCopyPacker(6000, lambda v: v if not isinstance(v, str) else v.encode()).pack("SET", "k", value)
+    assert any(piece is value for piece in packed)  # no join, no copy
+    small = _ZeroCopyPacker(6000, lambda v: v.encode() if isinstance(v, str) else v).pack("CLUSTER SLOTS")
+    assert b"".join(bytes(p) for p in small) == b"*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n"
+
+
+def test_password_from_url_is_used_and_hidden(redis_server_factory):
+    server = redis_server_factory("--requirepass", "s3cr3t-pw")
+    url = f"redis://:s3cr3t-pw@127.0.0.1:{server.port}/0"
+    with open_store(url) as store:
+        store.put("k", b"v")
+        assert store.get("k") == b"v"
+        for text in (repr(store), str(store.describe()), repr(store.config)):
+            assert "s3cr3t-pw" not in text
+    with open_store(f"redis://:wrong@127.0.0.1:{server.port}/0") as bad:
+        with pytest.raises(StoreUnavailableError) as info:
+            bad.get("k")
+        assert "wrong" not in str(info.value)
+
+
+def test_user_and_password_from_url(redis_server_factory):
+    server = redis_server_factory()
+    with server.client() as raw:
+        raw.execute_command("ACL", "SETUSER", "kv", "on", ">pw-of-kv", "~*", "+@all")
+    with open_store(f"redis://kv:pw-of-kv@127.0.0.1:{server.port}") as store:
+        store.put("k", b"v")
+        assert store.get("k") == b"v"
+        assert "pw-of-kv" not in repr(store)
+
+
+def test_unreachable_server_is_unavailable_within_the_deadline():
+    from servers import free_port
+
+    port = free_port()
+    with open_store(f"redis://127.0.0.1:{port}?connect_timeout=200ms&timeout=200ms") as store:
+        start = time.monotonic()
+        for op in (lambda: store.get("k"), lambda: store.put("k", b"v"), lambda: store.longest_prefix(["a", "b"]),
+                   lambda: store.get_many(["a"]), lambda: list(store.iter_keys())):
+            with pytest.raises(StoreUnavailableError) as info:
+                op()
+            assert isinstance(info.value, ConnectionError) and info.value.__cause__ is not None
+        assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("redis://localhost?ttl=soon", "ttl"),
+    ("redis://localhost?bogus=1", "accepted: "),
+    ("redis://localhost?max_connections=0", "max_connections"),
+    ("redis://localhost/notanumber", "database number"),
+    ("redis://localhost:port", "port"),
+    ("redis://a:1,b:2", "redis+cluster"),
+    ("unix://host/sock", "unix:///path"),
+    ("redis+cluster://localhost?db=2", "db=2"),
+    ("redis://localhost?timeout=0", "timeout"),
+])
+def test_bad_urls_name_the_parameter(url, fragment):
+    with pytest.raises(ConfigError) as info:
+        open_store(url)
+    assert fragment in str(info.value)
+
+
+def test_unknown_parameter_lists_the_accepted_ones():
+    with pytest.raises(ConfigError) as info:
+        open_store("redis://localhost?ttl=1h&colour=blue")
+    message = str(info.value)
+    assert "'colour'" in message
+    for name in ("ttl", "prefix", "max_connections", "timeout", "db"):
+        assert name in message
+    assert "password" not in message.split("accepted:")[1]  # internal fields are not options
+
+
+def test_url_forms():
+    c = RedisConfig.from_url("rediss://user:p%40ss@cache.example:6380/3?ttl=1h&prefix=x/")
+    assert (c.tls, c.username, c.password, c.hosts, c.db, c.ttl, c.prefix) == (
+        True, "user", "p@ss", (("cache.example", 6380),), 3, 3600.0, "x/")
+    assert "p@ss" not in repr(c) and "p@ss" not in c.safe_url()
+    c = RedisConfig.from_url("redis+cluster://h1:7000,h2:7001,[::1]:7002")
+    assert c.cluster and c.hosts == (("h1", 7000), ("h2", 7001), ("::1", 7002))
+    assert RedisConfig.from_url("unix:///run/redis.sock?db=2").unix_path == "/run/redis.sock"
+    assert isinstance(open_store("redis://127.0.0.1:1"), RedisStore)  # building does no I/O

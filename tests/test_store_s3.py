@@ -1,0 +1,105 @@
+"""S3Store against a real S3 server (rclone serve s3)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.stores import open_store
+from kvstore.stores.s3 import S3Config, S3Store
+from kvstore.testing.store_tests import StoreTests
+
+
+class TestS3Store(StoreTests):
+    large_value_bytes = 8 << 20
+
+    @pytest.fixture
+    def store(self, s3_server):
+        s3_server.clear()
+        with open_store(s3_server.url) as store:
+            assert isinstance(store, S3Store)
+            yield store
+
+    def bypass_get(self, store, key):
+        client = store._client
+        try:
+            return client.get_object(Bucket=store.config.bucket, Key="kv/" + key)["Body"].read()
+        except client.exceptions.NoSuchKey:
+            return None
+
+    def bypass_put(self, store, key, value):
+        store._client.put_object(Bucket=store.config.bucket, Key="kv/" + key, Body=value)
+
+
+def test_large_record_and_views(s3_server):
+    value = bytearray(os.urandom(33 << 20))
+    with open_store(s3_server.url_for("big")) as store:
+        store.put("whole", memoryview(value))  # a view of a whole bytearray: sent without a copy
+        store.put("part", memoryview(value)[5:])
+        assert store.get("whole") == value
+        assert store.get("part") == value[5:]
+
+
+def test_longest_prefix_spans_several_windows_and_stops_at_a_gap(s3_server):
+    keys = [f"kvs1/w/{i:03d}" for i in range(40)]
+    with open_store(s3_server.url_for("win", max_workers="8")) as store:
+        store.put_many([(k, b"v") for k in keys[:29] + keys[30:]])
+        assert store.longest_prefix(keys) == 29
+        store.put(keys[29], b"v")
+        assert store.longest_prefix(keys) == 40
+
+
+def test_no_negative_caching(s3_server):
+    with open_store(s3_server.url_for("neg")) as a, open_store(s3_server.url_for("neg")) as b:
+        assert a.get("k") is None and a.longest_prefix(["k"]) == 0
+        b.put("k", b"now")
+        assert a.get("k") == b"now" and a.longest_prefix(["k"]) == 1
+
+
+def test_stopped_server_is_unavailable_within_the_deadline(s3_server_factory):
+    server = s3_server_factory()
+    with open_store(server.url_for("x", timeout="1s", connect_timeout="300ms", retries="0")) as store:
+        store.put("k", b"v")
+        server.stop()
+        start = time.monotonic()
+        for op in (lambda: store.get("k"), lambda: store.put("k", b"v"), lambda: store.longest_prefix(["k", "j"])):
+            with pytest.raises(StoreUnavailableError) as info:
+                op()
+            assert info.value.__cause__ is not None
+        assert time.monotonic() - start < 5
+        server.start()
+        assert store.get("k") == b"v"
+
+
+def test_wrong_credentials_are_unavailable_not_a_miss(s3_server, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with open_store(s3_server.url_for("cred", retries="0")) as store:
+        with pytest.raises(StoreUnavailableError):
+            store.get("k")
+        assert "not-the-secret" not in repr(store)
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("s3:///prefix", "bucket"),
+    ("s3://b/p?max_workers=0", "max_workers"),
+    ("s3://b/p?addressing_style=sideways", "addressing_style"),
+    ("s3://b/p?endpoint_url=ftp://x", "endpoint_url"),
+    ("s3://key:secret@b/p", "standard chain"),
+    ("s3://b/p?access=1", "accepted: "),
+    ("s3://b/p?timeout=forever", "timeout"),
+])
+def test_bad_urls_name_the_parameter(url, fragment, s3_credentials):
+    with pytest.raises(ConfigError) as info:
+        open_store(url)
+    assert fragment in str(info.value)
+    assert "secret" not in str(info.value) or fragment == "standard chain"
+
+
+def test_url_forms():
+    c = S3Config.from_url("s3://bucket/a/b?endpoint_url=http://127.0.0.1:9000&region=eu-west-1&max_workers=4")
+    assert (c.bucket, c.prefix, c.endpoint_url, c.region, c.max_workers) == (
+        "bucket", "a/b/", "http://127.0.0.1:9000", "eu-west-1", 4)
+    assert S3Config.from_url("s3://bucket").prefix == ""
