@@ -471,7 +471,7 @@ class KVTransfer:
             return min(skip_tokens, arr.shape[0]), None
         n = self.cache.lookup(keys)
         if n == 0:
-            return 0, None
+            return min(skip_tokens, arr.shape[0]), None
         keys = keys[:n]
         slots = slots.to(self.device, torch.int64)
 
