@@ -19,6 +19,7 @@ from kvstore.errors import KVStoreError
 COMMANDS = (
     "kvstore.cli.selftest",
     "kvstore.cli.admin",
+    "kvstore.cli.warm",
 )
 
 #: Default store for every command: the ``KVSTORE_STORE`` environment variable (URLs separated by
