@@ -65,11 +65,11 @@ class EngineConfig:
 
 
 #: Named sizes: ``tiny`` for tests (milliseconds), ``small`` for the demo, ``bench`` for TTFT
-#: benchmarks (about 400 MB of fp32 weights; prefill dominates time-to-first-token).
+#: benchmarks (about 230 MB of fp32 weights; prefill dominates time-to-first-token).
 PRESETS: dict[str, EngineConfig] = {
     "tiny": EngineConfig(),
     "small": EngineConfig(vocab_size=4096, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
                           head_dim=64, intermediate_size=1536, init_std=0.05, block_size=16, num_blocks=512),
-    "bench": EngineConfig(vocab_size=16384, hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8,
-                          head_dim=64, intermediate_size=2816, init_std=0.05, block_size=16, num_blocks=512),
+    "bench": EngineConfig(vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+                          head_dim=64, intermediate_size=1536, init_std=0.05, block_size=16, num_blocks=512),
 }
