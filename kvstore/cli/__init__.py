@@ -20,6 +20,7 @@ COMMANDS = (
     "kvstore.cli.selftest",
     "kvstore.cli.admin",
     "kvstore.cli.warm",
+    "kvstore.cli.demo",
 )
 
 #: Default store for every command: the ``KVSTORE_STORE`` environment variable (URLs separated by
