@@ -98,6 +98,15 @@ def _port_open(port: int) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """In the child: get SIGKILL when the test process dies, even by SIGKILL (no orphan servers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 class _Process:
     """A child process that can be stopped (killed) and started again with the same arguments."""
 
@@ -108,7 +117,7 @@ class _Process:
 
     def spawn(self) -> None:
         self.proc = subprocess.Popen(self.argv, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+                                     env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -176,6 +185,7 @@ class RedisServer:
         try:
             wait_until(self._ping, 10, f"redis-server on port {self.port}")
         except TimeoutError:
+            self._proc.kill()
             raise RuntimeError(f"redis-server failed to start:\n{self._proc.log_tail()}") from None
 
     def _ping(self) -> bool:
@@ -300,6 +310,7 @@ class S3Server:
         try:
             wait_until(lambda: _port_open(self.port), 15, f"rclone serve s3 on port {self.port}")
         except TimeoutError:
+            self._proc.kill()
             raise RuntimeError(f"rclone failed to start:\n{self._proc.log_tail()}") from None
 
     def stop(self, sig: int = signal.SIGKILL) -> None:
