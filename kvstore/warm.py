@@ -403,6 +403,8 @@ class VLLMWarmEngine(WarmEngine):
         if codec is not None:
             extra["codec"] = codec
         parse_options(extra)  # a bad option fails here, before the engine loads
+        # vLLM logs to stdout by default; stdout carries the warm summary (--json).
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         try:
             from vllm import LLM, SamplingParams
             from vllm.config import KVTransferConfig
