@@ -7,13 +7,20 @@ be open to the world by accident. Port 0 picks a free port (``server.port`` tell
 
 Nothing starts it implicitly: an engine adapter, ``kvstore warm --metrics-port`` or the user
 calls it once per process. Starting it twice on the same port returns the running server.
+
+``start_from_env()`` is the hook for process entry points that have no option of their own
+(an engine's worker processes): with ``KVSTORE_METRICS_PORT`` set it serves on that port, or
+on the next free one of ``KVSTORE_METRICS_PORT_RANGE`` ports when a sibling process (vLLM's
+scheduler and worker processes) took it first; ``KVSTORE_METRICS_HOST`` chooses the address.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
+from typing import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from kvstore.errors import ConfigError
@@ -23,6 +30,9 @@ log = logging.getLogger(__name__)
 
 #: The port the dev stack (docker-compose.yml, docker/prometheus.yml) scrapes.
 DEFAULT_PORT = 9477
+#: Environment of ``start_from_env``.
+ENV_PORT, ENV_HOST, ENV_PORT_RANGE = "KVSTORE_METRICS_PORT", "KVSTORE_METRICS_HOST", "KVSTORE_METRICS_PORT_RANGE"
+DEFAULT_PORT_RANGE = 4
 #: Prometheus text exposition format 0.0.4.
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -123,3 +133,37 @@ def start_metrics_server(port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,
         _servers[(host, server.port)] = server
     log.info("serving kvstore metrics at %s", server.url)
     return server
+
+
+_env_server: MetricsServer | None = None
+
+
+def start_from_env(environ: Mapping[str, str] | None = None) -> MetricsServer | None:
+    """Serve metrics as ``KVSTORE_METRICS_*`` say (see the module docstring); ``None`` when unset.
+
+    Idempotent per process. ``ConfigError`` for a malformed value or when every port of the
+    range is taken.
+    """
+    global _env_server
+    env = os.environ if environ is None else environ
+    raw = env.get(ENV_PORT, "").strip()
+    if not raw:
+        return None
+    if _env_server is not None:
+        return _env_server
+    try:
+        port = int(raw)
+        tries = int(env.get(ENV_PORT_RANGE, "").strip() or DEFAULT_PORT_RANGE)
+    except ValueError:
+        raise ConfigError(f"{ENV_PORT}={raw!r} / {ENV_PORT_RANGE} must be port numbers") from None
+    if tries < 1:
+        raise ConfigError(f"{ENV_PORT_RANGE}={tries} must be at least 1")
+    host = env.get(ENV_HOST, "").strip() or "127.0.0.1"
+    last: ConfigError | None = None
+    for candidate in range(port, port + tries):
+        try:
+            _env_server = start_metrics_server(candidate, host)
+            return _env_server
+        except ConfigError as exc:
+            last = exc
+    raise ConfigError(f"no free metrics port in {port}..{port + tries - 1} on {host}: {last}")

@@ -144,3 +144,33 @@ def test_custom_registry():
         assert samples == {'demo_total{kind="a\\"b"}': 3.0}
     finally:
         s.close()
+
+
+def test_start_from_env_takes_the_next_free_port():
+    import kvstore.metrics_server as ms
+
+    first = start_metrics_server(0)
+    saved = ms._env_server
+    ms._env_server = None
+    try:
+        assert ms.start_from_env({}) is None
+        env = {"KVSTORE_METRICS_PORT": str(first.port), "KVSTORE_METRICS_HOST": "0.0.0.0"}
+        with pytest.raises(ConfigError):
+            ms.start_from_env({**env, "KVSTORE_METRICS_PORT_RANGE": "1"})
+        for _ in range(20):  # a neighbouring port may be busy on a shared machine: try another base
+            try:
+                second = ms.start_from_env(env)
+                break
+            except ConfigError:
+                first.close()
+                first = start_metrics_server(0)
+                env["KVSTORE_METRICS_PORT"] = str(first.port)
+        assert second.port != first.port and first.port < second.port < first.port + 4
+        assert ms.start_from_env(env) is second  # once per process
+        second.close()
+        with pytest.raises(ConfigError, match="KVSTORE_METRICS_PORT"):
+            ms._env_server = None
+            ms.start_from_env({"KVSTORE_METRICS_PORT": "lots"})
+    finally:
+        ms._env_server = saved
+        first.close()
