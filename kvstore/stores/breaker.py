@@ -71,6 +71,12 @@ class CircuitBreaker:
                 return True
             return False
 
+    def would_allow(self) -> bool:
+        """Whether ``allow()`` might say yes now, without taking the half-open probe."""
+        with self._lock:
+            return self._state == CLOSED or (self._state == OPEN and self._clock() >= self._reopen_at) or (
+                self._state == HALF_OPEN and self._clock() >= self._probe_deadline)
+
     def success(self) -> None:
         with self._lock:
             self._consecutive = 0

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Sequence
 from urllib.parse import unquote, urlsplit
 
+import numpy as np
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
@@ -50,6 +51,10 @@ except ImportError:  # pragma: no cover - older redis-py
 
 _DEFAULT_PORT = 6379
 _SCAN_COUNT = 1000
+# redis-py reads replies in socket_read_size pieces (64 KiB by default) and feeds each to
+# hiredis; 1 MiB pieces halve the cost of multi-MiB GETs (32 MiB: 0.2 -> 0.4 GB/s measured).
+_READ_SIZE = 1 << 20
+_HUGE_VALUE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,62 @@ def _wire(value: Buffer) -> bytes | memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+class _DirectReplies:
+    """Reads GET replies (RESP2 or RESP3) from a socket straight into buffers of their final size.
+
+    redis-py hands every reply to hiredis, whose buffer grows by reallocation and is then copied
+    into a new ``bytes``: three copies of a 32 MiB value. Here the bulk header is parsed and the
+    value is received with ``recv_into`` into one new buffer: one write per byte. Values come back
+    as memoryviews of that buffer (the caller owns it). Only used right
+    after sending GETs on a connection whose parser holds nothing (request/response order).
+    """
+
+    _HEADER_READ = 1 << 16
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+
+    def _fill(self) -> None:
+        chunk = self._sock.recv(self._HEADER_READ)
+        if not chunk:
+            raise redis.exceptions.ConnectionError("server closed the connection mid-reply")
+        self._buf += chunk
+
+    def _line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self._buf[:end])
+        del self._buf[:end + 2]
+        return line
+
+    def value(self) -> memoryview | None:
+        line = self._line()
+        kind = line[:1]
+        if kind == b"_" or line == b"$-1":
+            return None
+        if kind == b"-":
+            raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
+        if kind != b"$":
+            raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:40]!r}")
+        size = int(line[1:])
+        # A fresh buffer over glibc's mmap threshold page-faults per 4 KiB page (about 0.4 GB/s
+        # here for 32 MiB); numpy asks the kernel for transparent huge pages: about 2x faster.
+        view = memoryview(np.empty(size, dtype=np.uint8) if size >= _HUGE_VALUE else bytearray(size))
+        have = min(size, len(self._buf))
+        view[:have] = self._buf[:have]
+        del self._buf[:have]
+        while have < size:
+            n = self._sock.recv_into(view[have:])
+            if not n:
+                raise redis.exceptions.ConnectionError("server closed the connection mid-value")
+            have += n
+        while len(self._buf) < 2:  # the CRLF after the value
+            self._fill()
+        del self._buf[:2]
+        return view
+
+
 # -- the shared implementation -------------------------------------------------------------------
 class _RedisStoreBase(Store):
     """Every Redis operation, over whichever redis-py client ``_make_client`` returns."""
@@ -214,12 +275,16 @@ class _RedisStoreBase(Store):
     def _make_client(self) -> Any:
         raise NotImplementedError
 
+    def _direct_pool(self) -> Any:
+        """The pool whose connections can serve any key (GETs read directly); None in a cluster."""
+        return None
+
     def _connection_kwargs(self) -> dict[str, Any]:
         c = self.config
         kwargs: dict[str, Any] = {
             "username": c.username or None, "password": c.password or None,
             "socket_timeout": c.timeout, "socket_connect_timeout": c.connect_timeout,
-            "max_connections": c.max_connections,
+            "max_connections": c.max_connections, "socket_read_size": _READ_SIZE,
             # Wait for a pooled connection (bounded), instead of failing when all are busy.
             "connection_pool_class": redis.BlockingConnectionPool, "timeout": c.connect_timeout + c.timeout,
         }
@@ -269,7 +334,9 @@ class _RedisStoreBase(Store):
             return pipe.execute()
 
     # -- the small contract --------------------------------------------------------------------
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytes | memoryview | None:
+        if self._direct_pool() is not None:
+            return self.get_many([key])[0]
         with self._errors():
             return self._redis.get(self._key(key))
 
@@ -293,8 +360,30 @@ class _RedisStoreBase(Store):
                 yield (raw.decode() if isinstance(raw, bytes) else raw)[cut:]
 
     # -- batch forms: one pipeline each --------------------------------------------------------
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._pipeline(("get", (self._key(k),), {}) for k in keys)
+    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+        pool = self._direct_pool() if keys else None
+        if pool is None:
+            return self._pipeline(("get", (self._key(k),), {}) for k in keys)
+        packed_args = [("GET", self._key(k)) for k in keys]
+        with self._errors():
+            for attempt in range(self.config.retries + 1):  # a pooled socket may be stale
+                conn = pool.get_connection()
+                try:
+                    conn.send_packed_command(conn.pack_commands(packed_args))
+                    reader = _DirectReplies(conn._sock)
+                    return [reader.value() for _ in keys]
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+                    conn.disconnect()  # the stream is mid-reply: never reuse it
+                    if attempt == self.config.retries:
+                        if isinstance(exc, redis.exceptions.RedisError):
+                            raise
+                        raise redis.exceptions.ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+                except BaseException:
+                    conn.disconnect()
+                    raise
+                finally:
+                    pool.release(conn)
+        raise AssertionError("unreachable")
 
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
         px = self._px
@@ -363,6 +452,9 @@ class RedisStore(_RedisStoreBase):
         kwargs["retry"] = Retry(NoBackoff(), c.retries)
         pool = pool_class(db=c.db, **kwargs)
         return redis.Redis(connection_pool=pool)
+
+    def _direct_pool(self) -> Any:
+        return self._redis.connection_pool
 
 
 class RedisClusterStore(_RedisStoreBase):

@@ -167,7 +167,9 @@ class _Writer:
                 self._pending_bytes -= batch_bytes
                 self._publish()
                 batch = list(self._in_flight.items())
-            ok = self.tier.call("put_many", lambda: self.tier.store.put_many(batch), False, success=True)
+            skipped = not self.tier.breaker.would_allow()
+            ok = not skipped and self.tier.call("put_many", lambda: self.tier.store.put_many(batch), False,
+                                                success=True)
             with self._cond:
                 self._in_flight.clear()
                 if ok:
@@ -178,7 +180,7 @@ class _Writer:
             if ok:
                 BYTES_WRITTEN.inc(batch_bytes, tier=self.tier.name)
             else:
-                WRITE_DROPS.inc(len(batch), tier=self.tier.name, reason="error")
+                WRITE_DROPS.inc(len(batch), tier=self.tier.name, reason="tier_unavailable" if skipped else "error")
 
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
