@@ -208,8 +208,11 @@ def test_prometheus_scrapes_the_metrics_endpoint(stack):
     assert targets and all(t.split(":")[0] == "vllm" for t in targets)
     ports = sorted(int(t.split(":")[1]) for t in targets)
     assert ports[0] == DEFAULT_PORT and ports[-1] < DEFAULT_PORT + DEFAULT_PORT_RANGE
-    published = {p.rsplit(":", 1)[1] for p in services["vllm"]["ports"]}
-    assert {str(p) for p in ports} <= published
+    published: set[int] = set()
+    for p in services["vllm"]["ports"]:
+        lo, _, hi = p.rsplit(":", 1)[1].partition("-")
+        published.update(range(int(lo), int(hi or lo) + 1))
+    assert set(ports) <= published
     vllm_port = _arg(services["vllm"]["command"], "--port")
     assert [f"vllm:{vllm_port}"] == [t for sc in jobs["vllm"]["static_configs"] for t in sc["targets"]]
 
@@ -248,3 +251,37 @@ def test_gpu_override(stack):
     assert vllm["build"]["target"] == "gpu" and vllm["build"]["dockerfile"] == _services(stack)["vllm"]["build"]["dockerfile"]
     devices = vllm["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+
+
+def test_metrics_hook_serves_from_connector_processes_only(tmp_path):
+    """docker/kvstore_metrics_hook.py (loaded by a .pth file in the image): a process that imports
+    the connector serves /metrics on KVSTORE_METRICS_PORT; one that does not opens nothing."""
+    import os
+    import subprocess
+    import sys
+
+    from kvstore.metrics_server import start_metrics_server
+
+    probe = start_metrics_server(0)  # find a free port, then free it for the child
+    port = probe.port
+    probe.close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "docker"), str(ROOT)]),
+           "KVSTORE_METRICS_PORT": str(port), "KVSTORE_METRICS_PORT_RANGE": "1"}
+    script = """
+import socket, sys, urllib.request
+import kvstore_metrics_hook  # what the .pth line does at start-up
+import kvstore.metrics
+def serving():
+    try:
+        with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % {port}, timeout=2) as r:
+            return b"kvstore_info" in r.read()
+    except OSError:
+        return False
+before = serving()
+import connectors.vllm_config
+print(before, serving())
+""".format(port=port)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True"]
+    assert f"metrics at http://127.0.0.1:{port}/metrics" in out.stderr
