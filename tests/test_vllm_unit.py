@@ -1,0 +1,293 @@
+"""The vLLM connector without an engine: scheduler arithmetic, options, namespaces, layout choice,
+and the scheduler -> metadata -> worker path over fake requests and real paged tensors (CPU
+packed pages, and CPU tensors shaped and strided like the CUDA layout)."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from connectors import vllm_v1  # noqa: E402
+from connectors.vllm_config import options_reference, parse_options  # noqa: E402
+from connectors.vllm_v1 import (  # noqa: E402
+    EngineFacts, KVStoreConnector, KVStoreConnectorMetadata, build_namespace, check_vllm_version, choose_layout,
+    external_tokens, failed_blocks, lookup_limit, model_fingerprint, save_ends,
+)
+from kvstore.errors import ConfigError  # noqa: E402
+from kvstore.stores.memory import MemoryStore  # noqa: E402
+
+BS = 32
+
+
+# -- arithmetic -------------------------------------------------------------------------------
+
+def test_lookup_limit_leaves_one_token_and_whole_blocks():
+    assert lookup_limit(300, 32) == 288
+    assert lookup_limit(288, 32) == 256  # a prompt of whole blocks still computes its last token
+    assert lookup_limit(289, 32) == 288
+    assert lookup_limit(32, 32) == 0 and lookup_limit(0, 32) == 0
+
+
+def test_external_tokens_beyond_the_local_hit():
+    assert external_tokens(288, 0) == 288
+    assert external_tokens(288, 192) == 96
+    assert external_tokens(128, 192) == 0  # vLLM's own hit is longer
+    assert external_tokens(288, 256, min_load_tokens=64) == 0
+    assert external_tokens(288, 192, min_load_tokens=64) == 96
+
+
+def test_save_ends_follow_chunked_prefill():
+    kw = dict(chunk_tokens=128, block_size=BS, save_partial=True)
+    # 700-token prompt in 64-token steps: a chunk is saved in the step that completes it.
+    saved, plan = 0, []
+    for after in range(64, 700 + 64, 64):
+        ends = save_ends(700, after, saved, **kw)
+        if ends:
+            plan.append((after, ends))
+            saved = max(ends)
+    assert plan == [(128, [128]), (256, [256]), (384, [384]), (512, [512]), (640, [640]), (704, [672])]
+    # Decode steps after the prompt add nothing.
+    assert save_ends(700, 705, 672, **kw) == []
+    assert save_ends(700, 700, 0, chunk_tokens=128, block_size=BS, save_partial=False) == [640]
+    # A prompt whose hit limit is a chunk boundary needs no partial record.
+    assert save_ends(520, 520, 0, chunk_tokens=64, block_size=BS, save_partial=True) == [512]
+    # The full-chunk end and the hit limit can both be new in one step.
+    assert save_ends(512, 512, 0, chunk_tokens=256, block_size=BS, save_partial=True) == [480, 512]
+
+
+def test_failed_blocks_are_those_after_the_verified_prefix():
+    blocks = [7, 3, 9, 4, 8, 1]
+    assert failed_blocks(blocks, BS, 64, 192) == [9, 4, 8, 1]
+    assert failed_blocks(blocks, BS, 192, 192) == []
+    assert failed_blocks(blocks, BS, 0, 96) == [7, 3, 9]
+
+
+# -- options, version, namespace, layout -------------------------------------------------------
+
+def test_options_are_validated_with_named_keys():
+    o = parse_options({"store": "memory://, redis://h:6379/0", "chunk_tokens": "512", "flush_timeout": "500ms"})
+    assert o.store == ("memory://", "redis://h:6379/0") and o.chunk_tokens == 512 and o.flush_timeout == 0.5
+    with pytest.raises(ConfigError, match="needs 'store'"):
+        parse_options({})
+    with pytest.raises(ConfigError, match=r"unknown parameter 'chunk'.*accepted: chunk_tokens, codec"):
+        parse_options({"store": "memory://", "chunk": 1})
+    with pytest.raises(ConfigError, match="codec='gzip' is not accepted; use one of: raw"):
+        parse_options({"store": "memory://", "codec": "gzip"})
+    with pytest.raises(ConfigError, match="not a URL"):
+        parse_options({"store": ["localhost:6379"]})
+    with pytest.raises(ConfigError, match="chunk_tokens=48 must be a multiple of vLLM's block_size=32"):
+        parse_options({"store": "memory://", "chunk_tokens": 48}).check_block_size(32)
+    names = [row[0] for row in options_reference()]
+    assert names[0] == "store" and "chunk_tokens" in names and all(row[2] for row in options_reference())
+
+
+def test_supported_vllm_versions():
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.3.dev12+gabc")
+    for bad in ("0.31.2", "0.33.0", "1.0.0"):
+        with pytest.raises(ConfigError, match="supports vLLM >=0.32,<0.33"):
+            check_vllm_version(bad)
+
+
+def test_layout_choice_by_platform():
+    cpu = choose_layout("cpu", isa="vec")
+    assert cpu.name == "vllm-cpu-vec" and cpu.granularity == "block"
+    assert choose_layout("cpu", isa="amx").name == "vllm-cpu-amx"
+    for dev in ("cuda", "rocm", "xpu"):
+        gpu = choose_layout(dev)
+        assert gpu.name == "vllm-bhnc" and gpu.granularity == "token"
+    with pytest.raises(ConfigError):
+        choose_layout("cpu")
+    with pytest.raises(ConfigError, match="tpu"):
+        choose_layout("tpu")
+
+
+HF = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "_name_or_path": "/a/b",
+      "transformers_version": "4.57"}
+
+
+def facts(**kw) -> EngineFacts:
+    base = EngineFacts(model="tiny", fingerprint=model_fingerprint(HF, dtype="bfloat16", revision=None, quantization=None),
+                       kv_dtype="bfloat16", block_size=BS, num_layers=4, device_type="cpu", isa="vec",
+                       backend="CPU_ATTN", kv_cache_layout="LBHNC", tp_size=1)
+    return replace(base, **kw)
+
+
+def test_fingerprint_covers_config_dtype_revision_not_paths():
+    fp = model_fingerprint(HF, dtype="bfloat16", revision=None, quantization=None)
+    assert fp == model_fingerprint({**HF, "_name_or_path": "/elsewhere", "transformers_version": "5"},
+                                   dtype="bfloat16", revision=None, quantization=None)
+    others = [
+        model_fingerprint({**HF, "hidden_size": 512}, dtype="bfloat16", revision=None, quantization=None),
+        model_fingerprint(HF, dtype="float16", revision=None, quantization=None),
+        model_fingerprint(HF, dtype="bfloat16", revision="v2", quantization=None),
+        model_fingerprint(HF, dtype="bfloat16", revision=None, quantization="fp8"),
+        model_fingerprint(HF, dtype="bfloat16", revision=None, quantization=None, extra="weights-sha"),
+    ]
+    assert len({fp, *others}) == 6
+
+
+def test_namespace_separates_everything_that_changes_kv_bytes():
+    opts = parse_options({"store": "memory://", "chunk_tokens": 64})
+    ns, layout = build_namespace(facts(), opts, 0)
+    assert ns.layout == layout.name == "vllm-cpu-vec" and ns.block_size == BS and ns.layer_end == 4
+    assert dict(ns.extra)["backend"] == "CPU_ATTN"
+    assert build_namespace(facts(), opts, 0)[0].digest == ns.digest  # stable
+    variants = [
+        build_namespace(facts(isa="amx"), opts, 0)[0],
+        build_namespace(facts(device_type="cuda", isa=None, backend="gpu-token-rows", kv_cache_layout="any"), opts, 0)[0],
+        build_namespace(facts(kv_dtype="float8_e4m3fn"), opts, 0)[0],
+        build_namespace(facts(block_size=64), opts, 0)[0],
+        build_namespace(facts(tp_size=2), opts, 1)[0],
+        build_namespace(facts(tp_size=2), opts, 0)[0],
+        build_namespace(facts(fingerprint="other"), opts, 0)[0],
+        build_namespace(facts(model="other"), opts, 0)[0],
+        build_namespace(facts(), parse_options({"store": "memory://", "chunk_tokens": 128}), 0)[0],
+        ns.with_salt("tenant-a"),
+    ]
+    assert len({v.digest for v in [ns, *variants]}) == len(variants) + 1
+    with pytest.raises(ConfigError, match="multiple of vLLM's block_size=32"):
+        build_namespace(facts(), parse_options({"store": "memory://", "chunk_tokens": 80}), 0)
+
+
+# -- scheduler -> metadata -> worker, without an engine ---------------------------------------
+
+class FakeManager:
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def get_block_ids(self, req_id):
+        return (self.blocks[req_id],)
+
+
+def make_connector(role: str, store, f: EngineFacts, *, kv_role="kv_both", **extra) -> KVStoreConnector:
+    """A connector half built around a given store (the constructor's vLLM plumbing skipped)."""
+    c = object.__new__(KVStoreConnector)
+    c._connector_metadata = None
+    c._kv_cache_manager = FakeManager()
+    c.opts = parse_options({"store": "memory://", "chunk_tokens": 64, **extra})
+    c.do_load, c.do_save = vllm_v1.KV_ROLES[kv_role]
+    c.facts, c.block_size, c.store, c._closed = f, f.block_size, store, True
+    c._init_scheduler() if role == "scheduler" else c._init_worker()
+    return c
+
+
+def fake_request(req_id: str, tokens: list[int], salt: str | None = None):
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, cache_salt=salt)
+
+
+def step(sched: KVStoreConnector, req, blocks, *, computed: int, scheduled: int, new: bool):
+    sched._kv_cache_manager.blocks[req.request_id] = blocks
+    out = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, num_computed_tokens=computed)] if new else [],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[] if new else [req.request_id],
+                                              num_computed_tokens=[] if new else [computed]),
+        num_scheduled_tokens={req.request_id: scheduled})
+    meta = sched.build_connector_meta(out)
+    return pickle.loads(pickle.dumps(meta))  # vLLM pickles it to the workers
+
+
+def run_worker(worker: KVStoreConnector, meta: KVStoreConnectorMetadata) -> set[int]:
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    return worker.get_block_ids_with_load_errors()
+
+
+def paged(kind: str, num_blocks=24, heads=2, head2=32, seed=0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i in range(4):
+        if kind == "cpu":  # contiguous [B, H, N, 2D]: what the CPU backend hands over
+            t = torch.randn(num_blocks, heads, BS, head2, generator=g).to(torch.bfloat16)
+        else:  # CUDA default LBNHC: physically [B][N][H][2D], handed over as a permuted [B, H, N, 2D] view
+            t = torch.randn(num_blocks, BS, heads, head2, generator=g).to(torch.bfloat16).permute(0, 2, 1, 3)
+            assert not t.is_contiguous()
+        out[f"model.layers.{i}.self_attn.attn"] = t
+    return out
+
+
+def token_rows(caches, blocks, n):
+    """Token i's K|V rows per layer, read through the logical view (valid for the GPU layout)."""
+    return [torch.stack([c[blocks[i // BS], :, i % BS] for i in range(n)]) for c in caches.values()]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_save_then_load_through_the_connector(kind):
+    f = facts() if kind == "cpu" else facts(device_type="cuda", isa=None, backend="gpu-token-rows", kv_cache_layout="any")
+    store = MemoryStore()
+    tokens = list(range(1000, 1300))  # 300 tokens: hit limit 288 = 4 chunks of 64 + a partial one
+    # Engine A computes the prompt in two chunked-prefill steps and saves what each completes.
+    sched_a, work_a = make_connector("scheduler", store, f), make_connector("worker", store, f)
+    src = paged(kind, seed=1)
+    work_a.register_kv_caches(src)
+    req = fake_request("a", tokens)
+    assert sched_a.get_num_new_matched_tokens(req, 0) == (0, False)
+    sched_a.update_state_after_alloc(req, None, 0)
+    blocks_a = [5, 2, 11, 7, 0, 9, 14, 3, 21, 1]
+    m1 = step(sched_a, req, blocks_a, computed=0, scheduled=150, new=True)
+    assert [(s.ends, len(s.block_ids)) for s in m1.saves] == [([128], 4)] and not m1.loads
+    assert run_worker(work_a, m1) == set()
+    m2 = step(sched_a, req, blocks_a, computed=150, scheduled=150, new=False)
+    assert [s.ends for s in m2.saves] == [[256, 288]]
+    run_worker(work_a, m2)
+    assert len(list(store.iter_keys())) == 5
+    sched_a.request_finished(req, blocks_a)
+
+    # Engine B: vLLM found 64 tokens locally (blocks shared with other requests); the store adds 224.
+    sched_b, work_b = make_connector("scheduler", store, f), make_connector("worker", store, f)
+    dst = paged(kind, seed=2)
+    before = {k: v.clone() for k, v in dst.items()}
+    work_b.register_kv_caches(dst)
+    req_b = fake_request("b", tokens)
+    assert sched_b.get_num_new_matched_tokens(req_b, 64) == (224, False)
+    sched_b.update_state_after_alloc(req_b, None, 224)
+    blocks_b = [3, 4, 6, 8, 10, 12, 13, 15, 16, 17]
+    mb = step(sched_b, req_b, blocks_b, computed=288, scheduled=12, new=True)
+    assert [(s.start, s.end) for s in mb.loads] == [(64, 288)]
+    assert run_worker(work_b, mb) == set()
+    for layer, (s, d, b) in enumerate(zip(src.values(), dst.values(), before.values())):
+        for i in range(9):  # 9 blocks = 288 tokens
+            want = b[blocks_b[i]] if i < 2 else s[blocks_a[i]]  # the local-hit blocks are never written
+            assert torch.equal(d[blocks_b[i]], want), (layer, i)
+        assert torch.equal(d[blocks_b[9]], b[blocks_b[9]])  # nor any block past the hit
+    if kind == "cuda":
+        got = token_rows(dst, blocks_b, 288)
+        want = token_rows(src, blocks_a, 288)
+        assert all(torch.equal(g[64:], w[64:]) for g, w in zip(got, want))
+
+    # Another tenant's salt misses; a damaged record stops the load and names the blocks to recompute.
+    assert sched_b.get_num_new_matched_tokens(fake_request("c", tokens, salt="t2"), 0) == (0, False)
+    keys = work_b.transfer.keys(tokens[:288])
+    damaged = bytearray(store.get(keys[2].key))
+    damaged[-5] ^= 1
+    store.put(keys[2].key, bytes(damaged))
+    req_d = fake_request("d", tokens)
+    assert sched_b.get_num_new_matched_tokens(req_d, 0) == (288, False)
+    sched_b.update_state_after_alloc(req_d, None, 288)
+    md = step(sched_b, req_d, blocks_b, computed=288, scheduled=12, new=True)
+    assert run_worker(work_b, md) == set(blocks_b[4:9])  # chunks 0-1 loaded (128 tokens)
+    assert md.saves  # planned, but this step computed over failed blocks: nothing may be saved
+    assert store.get(keys[2].key) is None  # the damaged record was removed, never re-saved from garbage
+
+
+def test_roles_and_min_load():
+    store = MemoryStore()
+    f = facts()
+    consumer = make_connector("scheduler", store, f, kv_role="kv_consumer")
+    producer = make_connector("scheduler", store, f, kv_role="kv_producer")
+    req = fake_request("r", list(range(300)))
+    assert producer.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer never loads
+    consumer.update_state_after_alloc(req, None, 0)
+    meta = step(consumer, req, list(range(10)), computed=0, scheduled=300, new=True)
+    assert not meta.saves  # a consumer never saves
+    producer.update_state_after_alloc(req, None, 0)
+    assert step(producer, req, list(range(10)), computed=0, scheduled=300, new=True).saves
+    assert consumer.requires_kv_delivery is False
