@@ -20,7 +20,7 @@ from kvstore.codecs import CHAINS
 from kvstore.config import build, option
 from kvstore.errors import ConfigError
 
-__all__ = ["VLLMConnectorOptions", "parse_options", "options_reference", "KV_ROLES"]
+__all__ = ["VLLMConnectorOptions", "parse_options", "options_reference", "options_markdown", "KV_ROLES"]
 
 #: vLLM's kv_role values and what the connector does in each.
 KV_ROLES = {"kv_both": (True, True), "kv_producer": (False, True), "kv_consumer": (True, False)}
@@ -115,3 +115,14 @@ def options_reference() -> list[tuple[str, str, str]]:
             help_text += " Accepted: " + ", ".join(f"'{c}'" for c in choices) + "."
         rows.append((f.name, default, help_text))
     return rows
+
+
+def options_markdown() -> str:
+    """The options table of ``docs/vllm.md`` (a test keeps the two identical)."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{name}` | {default} | {text} |" for name, default, text in options_reference()]
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(options_markdown(), end="")

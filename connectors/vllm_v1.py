@@ -395,8 +395,8 @@ class KVStoreConnector(KVConnectorBase_V1):
         return hit
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.do_load or request.prompt_token_ids is None:
-            return 0, False
+        if not self.do_load or request.prompt_token_ids is None or getattr(request, "mm_features", None):
+            return 0, False  # keys cover token ids only: multimodal prompts bypass the cache
         hit = self._hit_tokens(request)
         self._local_hit[request.request_id] = num_computed_tokens
         return external_tokens(hit, num_computed_tokens, self.opts.min_load_tokens), False
@@ -430,7 +430,7 @@ class KVStoreConnector(KVConnectorBase_V1):
     def _plan(self, meta: KVStoreConnectorMetadata, req_id: str, num_computed: int,
               scheduler_output: "SchedulerOutput") -> None:
         request = self._requests.get(req_id)
-        if request is None or request.prompt_token_ids is None:
+        if request is None or request.prompt_token_ids is None or getattr(request, "mm_features", None):
             return
         prompt = request.prompt_token_ids
         salt = request.cache_salt or ""

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("vllm")
 
 from connectors import vllm_v1  # noqa: E402
-from connectors.vllm_config import options_reference, parse_options  # noqa: E402
+from connectors.vllm_config import options_markdown, options_reference, parse_options  # noqa: E402
 from connectors.vllm_v1 import (  # noqa: E402
     EngineFacts, KVStoreConnector, KVStoreConnectorMetadata, build_namespace, check_vllm_version, choose_layout,
     external_tokens, failed_blocks, lookup_limit, model_fingerprint, save_ends,
@@ -85,6 +85,14 @@ def test_options_are_validated_with_named_keys():
         parse_options({"store": "memory://", "chunk_tokens": 48}).check_block_size(32)
     names = [row[0] for row in options_reference()]
     assert names[0] == "store" and "chunk_tokens" in names and all(row[2] for row in options_reference())
+
+
+def test_docs_option_table_is_generated_from_the_options():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
+    table = doc.split("<!-- options:start -->\n", 1)[1].split("<!-- options:end -->", 1)[0]
+    assert table == options_markdown(), "regenerate with: python -m connectors.vllm_config"
 
 
 def test_supported_vllm_versions():
@@ -283,6 +291,8 @@ def test_roles_and_min_load():
     f = facts()
     consumer = make_connector("scheduler", store, f, kv_role="kv_consumer")
     producer = make_connector("scheduler", store, f, kv_role="kv_producer")
+    mm = SimpleNamespace(request_id="m", prompt_token_ids=list(range(300)), cache_salt=None, mm_features=[object()])
+    assert consumer.get_num_new_matched_tokens(mm, 0) == (0, False)  # keys cover token ids only
     req = fake_request("r", list(range(300)))
     assert producer.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer never loads
     consumer.update_state_after_alloc(req, None, 0)
