@@ -321,11 +321,13 @@ class S3Server:
         return self._proc.running
 
     def clear(self) -> None:
-        """Remove every object (the bucket stays)."""
-        root = os.path.join(self.data, self.bucket)
-        for entry in os.listdir(root):
-            path = os.path.join(root, entry)
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        """Remove every object (the bucket stays), through the S3 API: rclone caches its view of
+        the directory, so files removed behind its back could still be listed and HEADed."""
+        client = self.client()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket):
+            objects = [{"Key": o["Key"]} for o in page.get("Contents", ())]
+            if objects:
+                client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
 
     def close(self) -> None:
         self.stop()
