@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from kvstore.metrics_server import start_metrics_server
 
-        start_metrics_server(args.metrics_port)
+        server = start_metrics_server(args.metrics_port)
+        print(f"kvstore warm: metrics at {server.url}", file=sys.stderr)
     progress = args.progress
     if progress == "auto":
         progress = "bar" if sys.stderr.isatty() and not args.json else "none"
