@@ -154,19 +154,20 @@ def query_options(url: str) -> dict[str, str]:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, safe for logs and ``repr``."""
+    """``url`` with any password replaced by ``***``, safe for logs and ``repr``.
+
+    Works on the raw network location, so URLs that ``urlsplit`` cannot fully interpret (a
+    cluster's ``host:port,host:port`` list, a bad port) are redacted too instead of raising.
+    """
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparseable url>"
-    if parts.password is None:
+    userinfo, at, hostinfo = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    netloc = f"{user}:***@{host}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    user = userinfo.partition(":")[0]
+    return urlunsplit((parts.scheme, f"{user}:***@{hostinfo}", parts.path, parts.query, parts.fragment))
 
 
 def option(default: Any = dataclasses.MISSING, *, kind: str | None = None, secret: bool = False,

@@ -154,3 +154,16 @@ def test_url_forms():
     assert c.cluster and c.hosts == (("h1", 7000), ("h2", 7001), ("::1", 7002))
     assert RedisConfig.from_url("unix:///run/redis.sock?db=2").unix_path == "/run/redis.sock"
     assert isinstance(open_store("redis://127.0.0.1:1"), RedisStore)  # building does no I/O
+
+
+def test_cluster_url_with_password_and_several_nodes():
+    # urlsplit cannot read a port from "7000,h2:7001": redaction must not depend on it.
+    c = RedisConfig.from_url("redis+cluster://:s3cret@h1:7000,h2:7001?ttl=1h")
+    assert c.password == "s3cret" and c.hosts == (("h1", 7000), ("h2", 7001))
+    with pytest.raises(ConfigError) as info:
+        open_store("redis+cluster://:s3cret@h1:7000,h2:x")
+    assert "port 'x'" in str(info.value) and "s3cret" not in str(info.value)
+    from kvstore.config import redact_url
+
+    assert redact_url("redis+cluster://u:s3cret@h1:7000,h2:7001/?ttl=1") == "redis+cluster://u:***@h1:7000,h2:7001/?ttl=1"
+    assert redact_url("redis://u@h/0") == "redis://u@h/0"
