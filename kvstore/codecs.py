@@ -120,8 +120,13 @@ def decode(chain: Sequence[str], data: Buffer, raw_len: int, out: memoryview | N
 
                 data = lz4.block.decompress(data, uncompressed_size=raw_len)
             elif step == "zstd":
-                dctx = _zstd().ZstdDecompressor()
-                data = dctx.decompress(data, max_output_size=raw_len)
+                zstd = _zstd()
+                # decompress() allocates the size the frame declares and ignores max_output_size
+                # when it declares one: a lying frame must not make us allocate without bound.
+                declared = zstd.frame_content_size(data)
+                if declared not in (-1, raw_len):
+                    raise CorruptRecordError(f"zstd frame declares {declared} bytes, header says {raw_len}", "codec")
+                data = zstd.ZstdDecompressor().decompress(data, max_output_size=raw_len)
             else:
                 data = _unshuffle(data, int(step[7:]), target)
                 if target is not None:

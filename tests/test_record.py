@@ -226,3 +226,20 @@ def _hostile_records(draw):
 @given(_hostile_records())
 def test_decoder_fuzz_only_raises_corrupt_record_error(data):
     _decode_or_corrupt(data)
+
+
+def test_zstd_frame_that_declares_more_than_raw_len_is_rejected_before_allocating():
+    # A consistent header (checksum included) over a zstd frame that expands to 64 MiB: zstandard
+    # would allocate what the frame declares, whatever max_output_size says.
+    import xxhash
+    import zstandard
+
+    base = _record(("shuffle2", "zstd"), hidden=False)[0]
+    hlen = struct.unpack_from("<I", base, 8)[0]
+    header = msgpack.unpackb(base[FRAME_BYTES:FRAME_BYTES + hlen])
+    bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
+    header["payload_len"] = len(bomb)
+    header["checksum"] = xxhash.xxh3_64_digest(bomb)
+    with pytest.raises(CorruptRecordError) as info:
+        decode_record(_framed(msgpack.packb(header, use_bin_type=True), bomb))
+    assert info.value.reason == "codec" and "declares" in str(info.value)
