@@ -167,3 +167,12 @@ def test_cluster_url_with_password_and_several_nodes():
 
     assert redact_url("redis+cluster://u:s3cret@h1:7000,h2:7001/?ttl=1") == "redis+cluster://u:***@h1:7000,h2:7001/?ttl=1"
     assert redact_url("redis://u@h/0") == "redis://u@h/0"
+
+
+def test_close_releases_pooled_connections(redis_server):
+    store = open_store(f"redis://127.0.0.1:{redis_server.port}/0")
+    store.put("k", b"v")
+    store.get_many(["k", "missing"])
+    pool = store._client.connection_pool  # held here, so only close() can release its sockets
+    store.close()
+    assert all(c._sock is None for c in pool._connections)

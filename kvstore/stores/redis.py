@@ -420,6 +420,11 @@ class _RedisStoreBase(Store):
         if client is not None:
             try:
                 client.close()
+                # redis.Redis.close() leaves a pool it was given open; release its sockets now
+                # rather than whenever the pool is garbage collected.
+                pool = getattr(client, "connection_pool", None)
+                if pool is not None:
+                    pool.disconnect()
             except redis.exceptions.RedisError:
                 pass  # closing a store whose server is gone must not fail
 
