@@ -16,7 +16,8 @@
 
 * ``send_kv_caches_and_hidden_states(model_executable, model_input, kv_caches, hidden)`` after
   the model: for every prefill sequence, stores the chunks not yet stored, each with the
-  hidden state of its last token when this step computed it. The store is always a
+  hidden state of its last token when this step computed it (a bypassed step computed
+  nothing and stores nothing). The store is always a
   ``TieredStore``: local tiers are written synchronously, remote ones in the background.
 
 Inputs are duck-typed like vLLM V0's GPU model runner: ``model_input.input_tokens`` and
@@ -158,6 +159,7 @@ class KVStoreAgent:
         self.stats = AgentStats()
         self._transfers: dict[tuple, "KVTransfer"] = {}
         self._rebuilt: tuple[Any, list[_PrefillSeq], list[int]] | None = None
+        self._bypassed: Any = None  # the model_input of the last step recv told to bypass
         self._closed = False
 
     # -- setup ----------------------------------------------------------------------------
@@ -238,7 +240,7 @@ class KVStoreAgent:
         """Load stored prefixes of the batch's prefill sequences (see the module docstring)."""
         import torch
 
-        self._rebuilt = None
+        self._rebuilt = self._bypassed = None
         md = model_input.attn_metadata
         if not self.config.is_consumer or int(md.num_prefills) == 0:
             return None, False, model_input
@@ -270,6 +272,7 @@ class KVStoreAgent:
             for s, h in zip(seqs, hiddens):
                 out[s.q_end - 1] = h.to(out.device)
             self.stats.bypasses += 1
+            self._bypassed = model_input
             return out, True, model_input
         # Compute what was not loaded, and always each prompt's last token (its hidden state feeds the sampler).
         skip = [min(n, s.q_end - s.q_start - 1) if s.tokens is not None else 0 for s, n in zip(seqs, loaded)]
@@ -285,8 +288,14 @@ class KVStoreAgent:
         import torch
 
         rebuilt, self._rebuilt = self._rebuilt, None
+        bypassed, self._bypassed = self._bypassed, None
         md = model_input.attn_metadata
         if not self.config.is_producer or int(md.num_prefills) == 0:
+            return
+        if bypassed is model_input:
+            # Nothing was computed: every prompt was just loaded, and the hidden states handed
+            # back are our own placeholders (zeros but each last row). Re-saving a chunk evicted
+            # since recv would store a zero row as its hidden state.
             return
         xfer = self.transfer(model_executable, kv_caches)
         if rebuilt is not None and rebuilt[0] is model_input:

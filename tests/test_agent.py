@@ -62,6 +62,28 @@ def test_full_hit_bypasses_the_model(store_url, layout):
     agent.close()
 
 
+def test_bypassed_step_stores_no_placeholder_hidden_states(store_url):
+    # After a bypass the runner still calls send, with the agent's own hidden tensor (zeros
+    # but for each prompt's last row). A chunk evicted in between must not be re-stored with a
+    # zero row as its hidden state: a later prompt ending there would bypass with it.
+    p = prompt(96, 11)
+    ModelRunner(CFG, make_agent(store_url)).generate([p], 2)
+    agent = make_agent(store_url)
+    runner = ModelRunner(CFG, agent)
+    keys = [k.key for k in agent.transfer(runner.model, runner.kv_caches).keys(p)]
+    send = agent.send_kv_caches_and_hidden_states
+
+    def evict_then_send(*args):
+        agent.store.delete(keys[1])  # chunk [32, 64) evicted between recv and send
+        return send(*args)
+
+    agent.send_kv_caches_and_hidden_states = evict_then_send
+    assert runner.generate([p], 2).bypassed
+    agent.close()
+    out = ModelRunner(CFG, make_agent(store_url)).generate([p[:64]], 4)
+    assert out.tokens == baseline([p[:64]], n=4).tokens
+
+
 def test_block_layout_partial_block_is_computed(store_url):
     cfg = CFG.with_(kv_layout="vllm-cpu-vec")
     p = prompt(101)
