@@ -80,6 +80,28 @@ def test_file_store_many_processes_write_whole_values(tmp_path):
         assert value is not None and len(value) == 4096 and len(set(value)) == 1
 
 
+def _bounded_writer(path: str, worker: int, barrier) -> None:
+    store = open_store(f"file://{path}?max_bytes=64KiB&low_water=0.5")
+    store.put(f"kvs1/w{worker}/0", bytes(4096))
+    barrier.wait()  # every writer has seen the directory (nearly empty) before the rest
+    for i in range(1, 12):
+        store.put(f"kvs1/w{worker}/{i}", bytes(4096))
+
+
+def test_file_store_budget_holds_across_processes(tmp_path):
+    # Each writer alone stays under the budget (12 values of 4 KiB); four together write 192 KiB.
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    procs = [ctx.Process(target=_bounded_writer, args=(str(tmp_path), w, barrier)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    store = open_store(f"file://{tmp_path}")
+    assert sum(store.size_many(list(store.iter_keys()))) <= 64 * 1024
+
+
 @pytest.mark.parametrize("url, fragment", [
     ("nosuch://x", "unknown store scheme 'nosuch://'"),
     ("memory://?max_bytes=lots", "max_bytes='lots' is not a size"),

@@ -1,10 +1,12 @@
 """``file:///path`` — records as files in a local directory, shared by the processes of one host.
 
 Writes go to a temporary file in the same file system and are renamed into place, so a reader
-sees a whole value or none. The directory is bounded by ``max_bytes``: when a writer's estimate
-of the total passes it, that writer takes an exclusive ``flock`` and evicts the least recently
-used files (by modification time, which ``get`` refreshes) down to ``low_water`` of the budget.
-Several processes may use one directory at once.
+sees a whole value or none. The directory is bounded by ``max_bytes``: every writer adds what it
+wrote to a usage counter shared by all processes (``.usage``, updated under ``flock``); when the
+counter passes the budget, that writer takes an exclusive ``flock`` on ``.lock`` and evicts the
+least recently used files (by modification time, which ``get`` refreshes) down to ``low_water``
+of the budget, and resets the counter from what it scanned. Several processes may use one
+directory at once.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import quote, unquote, urlsplit
 
 from kvstore.config import build, option, query_options
@@ -65,7 +67,6 @@ class FileStore(Store):
         except OSError as exc:
             raise ConfigError(f"file store path {config.path!r} is not usable: {exc}") from exc
         self._lock = threading.Lock()
-        self._estimate: int | None = None  # bytes on disk as of the last scan, plus writes since
         self.evictions = 0
 
     @classmethod
@@ -118,7 +119,10 @@ class FileStore(Store):
                 raise
         except OSError as exc:
             raise StoreUnavailableError(f"file store write {path} failed: {exc}") from exc
-        self._account(len(view))
+        try:
+            self._account(len(view))
+        except OSError as exc:
+            raise StoreUnavailableError(f"file store {self.root} could not count or evict: {exc}") from exc
 
     def delete(self, key: str) -> bool:
         try:
@@ -149,13 +153,25 @@ class FileStore(Store):
     def _account(self, added: int) -> None:
         if not self.config.max_bytes:
             return
-        with self._lock:
-            if self._estimate is None:
-                self._estimate = self._scan_total()
-            self._estimate += added
-            over = self._estimate > self.config.max_bytes
-        if over:
+        # Shared by every process: a per-process estimate would let N writers that each stay
+        # under the budget fill N times it.
+        total = self._usage(lambda t: (self._scan_total() if t is None else t) + added)
+        if total > self.config.max_bytes:
             self.evict()
+
+    def _usage(self, update: Callable[[int | None], int]) -> int:
+        """Replace the shared usage counter ``t`` by ``update(t)`` (``None``: never counted)."""
+        with self._lock:  # flock does not exclude threads of one process
+            # Opened per call: a descriptor inherited across fork would share its lock.
+            fd = os.open(self.root / ".usage", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                raw = os.pread(fd, 8, 0)
+                total = update(int.from_bytes(raw, "little", signed=True) if len(raw) == 8 else None)
+                os.pwrite(fd, total.to_bytes(8, "little", signed=True), 0)
+                return total
+            finally:
+                os.close(fd)  # releases the flock
 
     def _scan_total(self) -> int:
         total = 0
@@ -173,6 +189,7 @@ class FileStore(Store):
         target = int(self.config.max_bytes * self.config.low_water)
         with open(self.root / ".lock", "a+b") as lockf:
             fcntl.flock(lockf, fcntl.LOCK_EX)  # one evictor at a time across processes
+            counted = self._usage(lambda t: t or 0)
             files = []
             for shard in self._data.iterdir():
                 if not shard.is_dir():
@@ -202,8 +219,9 @@ class FileStore(Store):
                         os.unlink(entry.path)
                 except FileNotFoundError:
                     pass
-        with self._lock:
-            self._estimate = total - freed
+            # What the scan found, plus what writers counted since it began (perhaps counted
+            # twice: an overestimate only brings the next eviction forward).
+            self._usage(lambda t: total - freed + max(0, (t or 0) - counted))
         return freed
 
     def describe(self) -> dict[str, Any]:
