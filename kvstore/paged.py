@@ -513,6 +513,9 @@ class KVTransfer:
                 self.layout.scatter(cache, slots, host[layer])
             return
         dev = self._staging(n, device_side=True)
+        # As in _gather: work already queued on the compute stream (on these blocks, or on the
+        # memory the allocator just handed ``dev``) must finish before the side stream writes.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             dev.copy_(host, non_blocking=True)
             for layer, cache in enumerate(self.kv_caches):
