@@ -114,6 +114,14 @@ class AgentConfig:
             raise ConfigError(f"unknown kvstore agent option(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}")
         return cls(**{"store": (), "model": "", "model_fingerprint": "", **options})
 
+    def __repr__(self) -> str:
+        # Store URLs may carry a password (redis://:pw@host): never print it.
+        from kvstore.config import redact_url
+
+        shown = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        shown["store"] = tuple(redact_url(u) for u in self.store)
+        return f"AgentConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
     @property
     def is_producer(self) -> bool:
         return self.role in ("producer", "both")

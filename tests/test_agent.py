@@ -282,3 +282,8 @@ def test_config_errors(store_url):
     cfg = CFG.with_(kv_layout="vllm-bhnc")
     with pytest.raises(ConfigError, match="kv_layout"):   # 4-d caches are ambiguous
         ModelRunner(cfg, make_agent(store_url, cfg)).generate([prompt(40)], 1)
+
+
+def test_config_repr_hides_the_store_password():
+    cfg = AgentConfig(store=("memory://", "redis://:hunter2@cache:6379/0"), model="m", model_fingerprint="f")
+    assert "hunter2" not in repr(cfg) and "redis://:***@cache:6379/0" in repr(cfg)
