@@ -100,6 +100,19 @@ def test_store_from_environment(store_url, capsys, monkeypatch):
     assert rc == 0 and len(out.split()) == 2
 
 
+@pytest.mark.parametrize("value, urls", [
+    ("memory://, file:///tmp/kv", ["memory://", "file:///tmp/kv"]),
+    ("memory://  redis+cluster://:pw@h1:7000,h2:7001,h3:7002/?ttl=1h",
+     ["memory://", "redis+cluster://:pw@h1:7000,h2:7001,h3:7002/?ttl=1h"]),
+    ("redis+cluster://h1:7000,h2:7001,s3://bucket/p", ["redis+cluster://h1:7000,h2:7001", "s3://bucket/p"]),
+])
+def test_store_environment_keeps_cluster_node_lists_whole(monkeypatch, value, urls):
+    from kvstore.cli import default_store_urls
+
+    monkeypatch.setenv("KVSTORE_STORE", value)
+    assert default_store_urls() == urls
+
+
 def test_ls_lists_keys_of_a_namespace(store_url, capsys):
     a = _fill(store_url, "model-a", 100)
     _fill(store_url, "model-b", 64, seed=1)

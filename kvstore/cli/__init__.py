@@ -11,6 +11,7 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -28,8 +29,13 @@ COMMANDS = (
 ENV_STORE = "KVSTORE_STORE"
 
 
+# A comma separates URLs only where a new URL (a scheme) follows: a cluster URL lists its
+# nodes with commas (redis+cluster://h1:7000,h2:7001).
+_URL_SEPARATOR = re.compile(r"\s+|,\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
+
+
 def default_store_urls() -> list[str]:
-    env = os.environ.get(ENV_STORE, "").replace(",", " ").split()
+    env = [u for u in _URL_SEPARATOR.split(os.environ.get(ENV_STORE, "").strip()) if u]
     if env:
         return env
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
