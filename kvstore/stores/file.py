@@ -125,11 +125,14 @@ class FileStore(Store):
             raise StoreUnavailableError(f"file store {self.root} could not count or evict: {exc}") from exc
 
     def delete(self, key: str) -> bool:
+        path = self._path(key)
         try:
-            self._path(key).unlink()
+            path.unlink()
             return True
         except FileNotFoundError:
             return False
+        except OSError as exc:  # an outage like any other, not a bug: callers catch KVStoreError
+            raise StoreUnavailableError(f"file store delete {path} failed: {exc}") from exc
 
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
         for shard in sorted(self._data.iterdir()):
