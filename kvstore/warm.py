@@ -337,9 +337,11 @@ class ReferenceWarmEngine(WarmEngine):
             config = PRESETS[preset]
         self.config = config
         urls = [store] if isinstance(store, str) else list(store)
-        chunk = chunk_tokens or 4 * config.block_size
+        # Without an explicit chunk size, use the agent's own default: a serving replica built
+        # with default settings must find what this writes.
+        sizing = {"chunk_tokens": chunk_tokens} if chunk_tokens else {}
         agent_config = AgentConfig(store=tuple(urls), model=config.name, model_fingerprint=config.fingerprint,
-                                   chunk_tokens=chunk, codec=codec)
+                                   codec=codec, **sizing)
         self._store = CountingStore(TieredStore.from_urls(urls, **(store_options or {})))
         self.agent = KVStoreAgent(agent_config, store=self._store)
         self.runner = ModelRunner(config, agent=self.agent)

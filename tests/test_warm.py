@@ -55,8 +55,7 @@ def _fresh_engine(store_url: str):
     from kvstore.engine import PRESETS, ModelRunner
 
     cfg = PRESETS["tiny"]
-    agent = KVStoreAgent(AgentConfig(store=(store_url,), model=cfg.name, model_fingerprint=cfg.fingerprint,
-                                     chunk_tokens=4 * cfg.block_size))
+    agent = KVStoreAgent(AgentConfig(store=(store_url,), model=cfg.name, model_fingerprint=cfg.fingerprint))
     return ModelRunner(cfg, agent=agent), agent
 
 

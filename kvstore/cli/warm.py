@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("reference engine")
     g.add_argument("--preset", default="tiny", help="reference model size: tiny, small or bench (default tiny)")
     g.add_argument("--chunk-tokens", type=int, default=None, metavar="N",
-                   help="tokens per stored record (reference default: 4 blocks; vllm: the connector's default)")
+                   help="tokens per stored record (default: the agent's or the vLLM connector's default, 256)")
     g.add_argument("--codec", default=None, help="record codec: raw, lz4, shuffle-lz4, zstd, shuffle-zstd")
     g = p.add_argument_group("vllm engine")
     g.add_argument("--model", metavar="DIR", help="model directory (or name) for --engine vllm")
