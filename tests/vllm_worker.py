@@ -1,6 +1,6 @@
 """Run one vLLM engine from a JSON spec and print its results as JSON (used by the vLLM tests).
 
-    python tests/vllm_worker.py '<spec json>'
+    python tests/vllm_worker.py '<spec json>'     (or @FILE holding the spec json)
 
 Spec: ``model`` (a directory), ``connector`` (``kv_connector_extra_config`` or null for no
 connector), ``role`` (vLLM kv_role, default kv_both), ``engine`` (extra ``LLM(...)`` arguments),
@@ -74,5 +74,6 @@ def main(spec: dict) -> dict:
 
 
 if __name__ == "__main__":
-    out = main(json.loads(sys.argv[1]))
+    arg = sys.argv[1]
+    out = main(json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg))
     print("RESULT " + json.dumps(out), flush=True)
