@@ -164,6 +164,35 @@ def test_namespace_separates_everything_that_changes_kv_bytes():
         build_namespace(facts(), parse_options({"store": "memory://", "chunk_tokens": 80}), 0)
 
 
+def fake_vllm_config(*, pp=1, tp=1, groups=1, cache_dtype="auto"):
+    spec = SimpleNamespace(block_size=BS, dtype=torch.bfloat16, head_size=64)
+    group = SimpleNamespace(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(4)])
+    vllm_config = SimpleNamespace(
+        model_config=SimpleNamespace(model="/models/tiny", dtype=torch.bfloat16, revision=None, quantization=None,
+                                     hf_config=SimpleNamespace(to_dict=lambda: dict(HF))),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, tensor_parallel_size=tp),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype,
+                                     get_resolved_kv_cache_layout=lambda: SimpleNamespace(name="LBHNC")))
+    return vllm_config, SimpleNamespace(kv_cache_groups=[group] * groups)
+
+
+def test_engine_facts_pick_the_cpu_packed_layout_on_this_host():
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    opts = parse_options({"store": "memory://", "chunk_tokens": 64})
+    f = vllm_v1.engine_facts(*fake_vllm_config(tp=2), opts)
+    assert (f.device_type, f.backend, f.kv_cache_layout, f.block_size, f.num_layers, f.kv_dtype, f.tp_size) == (
+        "cpu", "CPU_ATTN", "LBHNC", BS, 4, "bfloat16", 2)
+    assert f.isa == _get_attn_isa(torch.bfloat16, BS, 64, "auto") and f.model == "/models/tiny"
+    ns, layout = build_namespace(f, opts, 1)
+    assert layout.name == f"vllm-cpu-{f.isa}" and ns.tp_rank == 1
+    assert vllm_v1.engine_facts(*fake_vllm_config(), parse_options({"store": "memory://", "model_id": "m"})).model == "m"
+    with pytest.raises(ConfigError, match="pipeline parallelism"):
+        vllm_v1.engine_facts(*fake_vllm_config(pp=2), opts)
+    with pytest.raises(ConfigError, match="one KV cache group"):
+        vllm_v1.engine_facts(*fake_vllm_config(groups=2), opts)
+
+
 # -- scheduler -> metadata -> worker, without an engine ---------------------------------------
 
 class FakeManager:
@@ -284,6 +313,21 @@ def test_save_then_load_through_the_connector(kind):
     assert run_worker(work_b, md) == set(blocks_b[4:9])  # chunks 0-1 loaded (128 tokens)
     assert md.saves  # planned, but this step computed over failed blocks: nothing may be saved
     assert store.get(keys[2].key) is None  # the damaged record was removed, never re-saved from garbage
+    # vLLM reports the failed blocks back and recomputes them. The next step was possibly planned
+    # before vLLM knew (async scheduling), so the worker saves nothing of that request in it.
+    sched_b.update_connector_output(SimpleNamespace(invalid_block_ids=set(blocks_b[4:9])))
+    assert sched_b._saved_upto["d"] == 0
+    m_re = step(sched_b, req_d, blocks_b, computed=128, scheduled=172, new=False)
+    assert [s.ends for s in m_re.saves] == [[256, 288]] and not m_re.loads
+    run_worker(work_b, m_re)
+    assert store.get(keys[2].key) is None
+    # The cache heals with the next request of that prefix: it loads what is there and saves the rest.
+    req_e = fake_request("e", tokens)
+    assert sched_b.get_num_new_matched_tokens(req_e, 0) == (128, False)
+    sched_b.update_state_after_alloc(req_e, None, 128)
+    blocks_e = [18, 19, 20, 22, 23, 5, 2, 11, 7, 0]
+    run_worker(work_b, step(sched_b, req_e, blocks_e, computed=128, scheduled=172, new=True))
+    assert store.get(keys[2].key) is not None and len(list(store.iter_keys())) == 5
 
 
 def test_roles_and_min_load():
