@@ -13,11 +13,17 @@ Block-granular layouts (pages whose contents are opaque, e.g. vLLM's CPU attenti
 take the slots of whole blocks only: ``len(slots)`` a multiple of ``block_size`` and each run of
 ``block_size`` slots one block in order; they copy pages as opaque bytes.
 
-Copies are vectorised (``index_select(out=)`` / ``index_copy_``, on an int64 view of the rows
-where the strides allow: measured ~1.6x faster for scatter), never a Python loop per token or
-block. Layouts accept arbitrary strides (vLLM hands GPU backends a permuted, non-contiguous
-view); where slots cannot be addressed as one merged dimension they fall back to advanced
-indexing, which is correct but slower.
+Copies are vectorised, never a Python loop per token or block. On the CPU they are numpy
+``take(out=)`` / fancy assignment over opaque *items*: one token's row or, when the slots are
+whole blocks in order (a 256-token chunk at block size 16 is 16 blocks), one whole block.
+numpy moves each item with one ``memcpy``, at any alignment, on the calling thread. Measured
+on a shared 2-core host (benchmarks/results/paged.md): 0.7-0.8 of a same-size memcpy for
+gather and scatter, where torch's ``index_copy_`` on an int64 view reached 0.5-0.64 on one
+thread, and torch's intra-op pool stalled (0.03-0.1 of memcpy) whenever the cores were shared.
+On other devices the copies are ``index_select(out=)`` / ``index_copy_`` (on an int64 view of
+the rows where the strides allow). Layouts accept arbitrary strides (vLLM hands GPU backends a
+permuted, non-contiguous view); where slots cannot be addressed as one merged dimension they
+fall back to advanced indexing, which is correct but slower.
 
 ``KVTransfer`` is the engine-agnostic core the agent API and the vLLM connector both use: per
 sequence (tokens, slots) it saves chunks through a ``PrefixCache`` (gather -> staging ->
@@ -26,10 +32,11 @@ record) and loads the longest stored prefix back (verified record -> staging -> 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from abc import ABC, abstractmethod
-from typing import Literal, Sequence
+from typing import Literal, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -81,6 +88,106 @@ def _as_int64(t: torch.Tensor) -> torch.Tensor | None:
     return v if v.data_ptr() % 8 == 0 else None
 
 
+class _HostLayer(NamedTuple):
+    """One CPU layer's cache as numpy arrays of opaque items, sharing its memory: ``tokens``
+    ``[*lead, num_slots]`` (one token's row each) and ``blocks`` ``[*lead, num_blocks]`` (one
+    whole block each); either is None where the layout or the strides do not allow it."""
+
+    tokens: np.ndarray | None
+    blocks: np.ndarray | None
+    block_size: int
+
+
+def _np_items(t: torch.Tensor | np.ndarray) -> np.ndarray | None:
+    """A ``[..., n, m]`` CPU tensor or array (last dim contiguous) as a numpy ``[..., n]`` array
+    of items of ``m`` elements each, sharing its memory; None where the strides forbid it."""
+    if isinstance(t, torch.Tensor):
+        if t.device.type != "cpu" or t.dim() == 0 or t.shape[-1] == 0 or t.stride(-1) != 1:
+            return None
+        try:
+            t = t.detach().view(torch.uint8).numpy()
+        except (RuntimeError, TypeError):
+            return None
+    try:
+        return t.view(np.dtype((np.void, t.shape[-1])))[..., 0]
+    except ValueError:  # the last axis is not contiguous
+        return None
+
+
+def _host_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """The bytes of a C-contiguous CPU tensor as a flat numpy uint8 array (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+@functools.lru_cache(maxsize=16)
+def _offsets(block_size: int) -> np.ndarray:
+    offsets = np.arange(block_size, dtype=np.int64)
+    offsets.setflags(write=False)  # shared by every caller
+    return offsets
+
+
+def _whole_blocks(slots: np.ndarray, block_size: int) -> np.ndarray | None:
+    """The block ids of ``slots`` if they are whole blocks, each in order; None otherwise."""
+    if slots.size == 0 or slots.size % block_size:
+        return None
+    starts = slots.reshape(-1, block_size) - _offsets(block_size)  # rows are constant for whole blocks
+    first = starts[:, 0]
+    if (first % block_size).any() or not (starts == first[:, None]).all():
+        return None
+    return first // block_size
+
+
+def _host_copy(layers: Sequence[_HostLayer], slots: torch.Tensor, staging: np.ndarray, to_cache: bool,
+               skip: int = 0) -> bool:
+    """Copy ``slots[skip:]`` between every layer's cache and ``staging`` (the bytes of a staging
+    tensor ``[len(layers), *chunk_shape(len(slots))]``, any alignment, read-only unless copying
+    from the cache), as whole blocks where they are, else as token rows. All layers alike
+    (one shape). False, having copied nothing, where the items do not allow it."""
+    if not layers or slots.device.type != "cpu":
+        return False
+    first, bs, n = layers[0], layers[0].block_size, slots.numel()
+    rest = slots[skip:].numpy()
+    idx = _whole_blocks(rest, bs) if first.blocks is not None and skip % bs == 0 and n % bs == 0 else None
+    if idx is not None:
+        kind, n_items, skip_items = "blocks", n // bs, skip // bs
+    elif first.tokens is not None:
+        kind, idx, n_items, skip_items = "tokens", rest, n, skip
+    else:
+        return False
+    items = getattr(first, kind)
+    size = items.shape[-1]
+    if idx.size and (idx.min() < 0 or idx.max() >= size):
+        bad = idx[(idx < 0) | (idx >= size)][0]
+        raise IndexError(f"{kind[:-1]} {bad} is out of range for a cache of {size} {kind}")
+    shape = (len(layers), *items.shape[:-1], n_items, items.dtype.itemsize)
+    if staging.size != math.prod(shape):
+        raise ValueError(f"staging of {staging.size} bytes does not hold {n} slots of {len(layers)} layers")
+    staged = _np_items(staging.reshape(shape))[..., skip_items:]
+    for layer, part in zip(layers, staged):
+        cache_items = getattr(layer, kind)
+        pairs = zip(cache_items, part) if cache_items.ndim == 2 else ((cache_items, part),)
+        for c, st in pairs:
+            if to_cache:
+                c[idx] = st
+            else:  # mode="raise" would buffer the whole output; the range is checked above
+                np.take(c, idx, out=st, mode="clip")
+    return True
+
+
+def _host_layers(layout: "PagedLayout", caches: Sequence[torch.Tensor]) -> list[_HostLayer] | None:
+    """Item views of every layer, with only the kinds that all layers have; None if none."""
+    layers = [layout._host_layer(c) for c in caches]
+    if not layers or any(h is None for h in layers):
+        return None
+    tokens = all(h.tokens is not None for h in layers)
+    blocks = all(h.blocks is not None for h in layers)
+    if not (tokens or blocks):
+        return None
+    return [h._replace(tokens=h.tokens if tokens else None, blocks=h.blocks if blocks else None) for h in layers]
+
+
 class PagedLayout(ABC):
     """How one layer's paged KV tensor maps token slots to memory. Stateless; thread-safe."""
 
@@ -112,6 +219,11 @@ class PagedLayout(ABC):
 
     def check_slots(self, cache: torch.Tensor, num_tokens: int) -> None:
         """Raise ``ValueError`` if ``num_tokens`` slots cannot be copied by this layout."""
+
+    def _host_layer(self, cache: torch.Tensor) -> _HostLayer | None:
+        """``cache`` (on the CPU) as numpy items for ``_host_copy``, in ``chunk_shape`` order;
+        None to always use ``gather``/``scatter``."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -154,7 +266,21 @@ class _TokenLayout(PagedLayout):
             return r64, f64
         return rows, flat
 
+    def _host_layer(self, cache: torch.Tensor) -> _HostLayer | None:
+        if cache.device.type != "cpu" or self._lead > 1:  # _host_copy walks at most one lead dim
+            return None
+        b = self._blocked(cache)
+        lead = tuple(b.shape[:self._lead])
+        blocks = _try_view(b, (*lead, b.shape[self._lead], -1))
+        rows = self._rows(cache)
+        host = _HostLayer(None if rows is None else _np_items(rows),
+                          None if blocks is None else _np_items(blocks), b.shape[self._lead + 1])
+        return host if host.tokens is not None or host.blocks is not None else None
+
     def gather(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        host, staging = self._host_layer(cache), _host_bytes(out)
+        if host is not None and staging is not None and _host_copy([host], slots, staging, False):
+            return out
         pair = self._pair(cache, out, slots.numel())
         if pair is not None:
             torch.index_select(pair[0], self._lead, slots, out=pair[1])
@@ -166,6 +292,9 @@ class _TokenLayout(PagedLayout):
         return out
 
     def scatter(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        host, staging = self._host_layer(cache), _host_bytes(src)
+        if host is not None and staging is not None and _host_copy([host], slots, staging, True):
+            return
         pair = self._pair(cache, src, slots.numel())
         if pair is not None:
             pair[0].index_copy_(self._lead, slots, pair[1])
@@ -270,14 +399,29 @@ class CPUPackedLayout(PagedLayout):
         p64, f64 = _as_int64(pages), _as_int64(flat)
         return (p64, f64) if p64 is not None and f64 is not None else (pages, flat)
 
+    def _host_layer(self, cache: torch.Tensor) -> _HostLayer | None:
+        if cache.device.type != "cpu":
+            return None
+        pages = _try_view(cache, (self.num_blocks(cache), -1))
+        blocks = None if pages is None else _np_items(pages)
+        return None if blocks is None else _HostLayer(None, blocks, self.block_size(cache))
+
     def gather(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        ids = self._block_ids(cache, slots)
+        host, staging = self._host_layer(cache), _host_bytes(out)
+        if host is not None and staging is not None and _host_copy([host], slots, staging, False):
+            return out
         pages, flat = self._pages(cache, out)
-        torch.index_select(pages, 0, self._block_ids(cache, slots), out=flat)
+        torch.index_select(pages, 0, ids, out=flat)
         return out
 
     def scatter(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        ids = self._block_ids(cache, slots)
+        host, staging = self._host_layer(cache), _host_bytes(src)
+        if host is not None and staging is not None and _host_copy([host], slots, staging, True):
+            return
         pages, flat = self._pages(cache, src)
-        pages.index_copy_(0, self._block_ids(cache, slots), flat)
+        pages.index_copy_(0, ids, flat)
 
 
 #: Layouts by name (``get_layout``); the CPU one for the ``vec`` ISA of this kind of host.
@@ -367,6 +511,8 @@ class KVTransfer:
             raise ConfigError("namespace does not describe the KV cache: " + "; ".join(problems))
         self.on_cuda = self.device.type == "cuda"
         self.pool = StagingPool(pin=self.on_cuda)
+        # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
+        self._host = _host_layers(self.layout, self.kv_caches) if self.device.type == "cpu" else None
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
 
     # -- helpers ---------------------------------------------------------------------------
@@ -435,8 +581,9 @@ class KVTransfer:
         n = slots.numel()
         host = self._staging(n)
         if not self.on_cuda:
-            for layer, cache in enumerate(self.kv_caches):
-                self.layout.gather(cache, slots, host[layer])
+            if self._host is None or not _host_copy(self._host, slots, _host_bytes(host), False):
+                for layer, cache in enumerate(self.kv_caches):
+                    self.layout.gather(cache, slots, host[layer])
             return host
         dev = self._staging(n, device_side=True)
         stream = self._stream

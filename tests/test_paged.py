@@ -145,3 +145,51 @@ def test_transfer_checks_namespace_against_cache():
         KVTransfer(PrefixCache(MemoryStore(), ns), [cache], FlashLayout())
     for what in ("layout", "kv_dtype", "block_size", "layer range"):
         assert what in str(e.value)
+
+
+@pytest.mark.parametrize("case", [0, 1, 3, 4])
+def test_whole_blocks_and_token_rows_copy_alike(case):
+    """Slots that are whole blocks in order are copied block by block on the CPU; the result is
+    the same as token by token (and as plain indexing)."""
+    layout, cache = _caches(torch.bfloat16)[case]
+    tok_axis = 1 if isinstance(layout, FlashLayout) else 0
+    for slots in (slots_from_block_table([5, 0, 9], N, 3 * N),            # whole blocks: block items
+                  slots_from_block_table([5, 0, 9], N, 3 * N).flip(0),    # same slots, reversed: token rows
+                  torch.tensor([21, 22, 23, 20]),                          # one block, out of order
+                  torch.tensor([1, 2, 3, 4])):                             # straddles two blocks
+        out = torch.empty(layout.chunk_shape(cache, len(slots)), dtype=cache.dtype)
+        layout.gather(cache, slots, out)
+        for i, s in enumerate(slots.tolist()):
+            assert torch.equal(out.select(tok_axis, i), _ref_token(layout, cache, s))
+        target = torch.zeros_like(cache)
+        layout.scatter(target, slots, out)
+        for s in slots.tolist():
+            assert torch.equal(_ref_token(layout, target, s), _ref_token(layout, cache, s))
+        assert target.float().abs().sum() == out.float().abs().sum()
+
+
+@pytest.mark.parametrize("case", [0, 1, 3, 4])  # not 2: advanced indexing reads -1 as the last slot
+def test_slots_out_of_range_raise_index_error(case):
+    layout, cache = _caches(torch.float32)[case]
+    for slots in (torch.tensor([0, B * N]), torch.tensor([-1, 0]), slots_from_block_table([B], N, N)):
+        out = torch.empty(layout.chunk_shape(cache, len(slots)), dtype=cache.dtype)
+        with pytest.raises(IndexError):
+            layout.gather(cache, slots, out)
+        with pytest.raises(IndexError):
+            layout.scatter(cache, slots, out)
+
+
+def test_transfer_layers_with_different_strides():
+    """Layers of one shape but different strides still copy (with the item kinds all share)."""
+    layout = BHNCLayout()
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(B, N, H, 2 * D, generator=g).permute(0, 2, 1, 3)   # blocks and rows mergeable
+    b = torch.randn(B, N, 2, H, 2 * D, generator=g)[:, :, 0].permute(0, 2, 1, 3)  # rows only
+    xfer = _transfer(layout, [a, b])
+    tokens, slots = list(range(16)), slots_from_block_table([3, 1, 7, 0], N, 16)
+    assert xfer.save_sequence(tokens, slots) == 2
+    fresh = [torch.zeros_like(a), torch.zeros(B, N, 2, H, 2 * D)[:, :, 0].permute(0, 2, 1, 3)]
+    assert KVTransfer(xfer.cache, fresh, layout).load_sequence(tokens, slots)[0] == 16
+    blocks = [3, 1, 7, 0]
+    assert torch.equal(fresh[0][blocks], a[blocks]) and torch.equal(fresh[1][blocks], b[blocks])
+    assert fresh[0].abs().sum() == a[blocks].abs().sum() and fresh[1].abs().sum() == b[blocks].abs().sum()
