@@ -27,7 +27,8 @@ fall back to advanced indexing, which is correct but slower.
 
 ``KVTransfer`` is the engine-agnostic core the agent API and the vLLM connector both use: per
 sequence (tokens, slots) it saves chunks through a ``PrefixCache`` (gather -> staging ->
-record) and loads the longest stored prefix back (verified record -> staging -> scatter).
+record) and loads the longest stored prefix back (verified record -> scatter; on the CPU
+straight from the record's bytes, on an accelerator through pinned staging).
 """
 
 from __future__ import annotations
@@ -646,6 +647,9 @@ class KVTransfer:
 
     def _scatter(self, slots: torch.Tensor, kv: memoryview | bytes, skip: int = 0) -> None:
         n = slots.numel()
+        # On the CPU, straight from the record's bytes (numpy items have no alignment needs).
+        if self._host is not None and _host_copy(self._host, slots, np.frombuffer(kv, dtype=np.uint8), True, skip):
+            return
         host = self._staging(n)
         # Copy into our staging first: record bytes are read-only and not necessarily 8-byte aligned.
         np.copyto(host.view(-1).view(torch.uint8).numpy(), np.frombuffer(kv, dtype=np.uint8))

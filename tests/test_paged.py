@@ -179,6 +179,28 @@ def test_slots_out_of_range_raise_index_error(case):
             layout.scatter(cache, slots, out)
 
 
+@pytest.mark.parametrize("case", range(5))
+@pytest.mark.parametrize("skip", [0, 4, 5])
+def test_transfer_loads_from_record_bytes_with_skip(case, skip):
+    """CPU loads scatter straight from the (read-only, arbitrarily aligned) record bytes; with
+    ``skip_tokens`` the slots before it are never written, whatever they hold."""
+    layout, cache = _caches(torch.bfloat16)[case]
+    tokens = list(range(200, 216))
+    slots = slots_from_block_table([9, 2, 5, 11], N, 16)
+    for hidden in (None, torch.randn(16, 3)):  # a hidden state shifts the payload's alignment
+        xfer = _transfer(layout, [cache, cache + 1])
+        assert xfer.save_sequence(tokens, slots, hidden_states=hidden) == 2
+        fresh = [torch.zeros_like(c) for c in xfer.kv_caches]
+        dst = slots_from_block_table([4, 6, 8, 10], N, 16)
+        n, _ = KVTransfer(xfer.cache, fresh, layout).load_sequence(tokens, dst, skip_tokens=skip)
+        assert n == 16
+        for src, got in zip(xfer.kv_caches, fresh):
+            for i in range(16):
+                expect = _ref_token(layout, src, int(slots[i]))
+                actual = _ref_token(layout, got, int(dst[i]))
+                assert torch.equal(actual, expect if i >= skip else torch.zeros_like(expect))
+
+
 def test_transfer_layers_with_different_strides():
     """Layers of one shape but different strides still copy (with the item kinds all share)."""
     layout = BHNCLayout()
