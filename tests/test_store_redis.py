@@ -70,21 +70,6 @@ def test_large_record_from_memoryview_without_copy(redis_server):
         assert store.get_many(["big2"])[0] == bytes(view)
 
 
-def test_batch_of_mid_size_values_shares_arenas_without_overlap(redis_server):
-    """1-4 MiB values of one get_many are read into shared arenas: each comes back exact, with
-    misses, a shorter value and a longer one (a new arena) among them, and stays valid."""
-    redis_server.flushall()
-    sizes = [2 << 20, 2 << 20, None, (2 << 20) - 7, 3 << 20, 1 << 20, 5 << 20, 2 << 20]
-    values = {f"v{i}": os.urandom(n) for i, n in enumerate(sizes) if n is not None}
-    with RedisStore.from_url(redis_server.url) as store:
-        store.put_many(values.items())
-        keys = [f"v{i}" for i in range(len(sizes))]
-        got = store.get_many(keys)
-        again = store.get_many(keys[::-1])
-        assert [None if g is None else bytes(g) for g in got] == [values.get(k) for k in keys]
-        assert [None if g is None else bytes(g) for g in again] == [values.get(k) for k in keys[::-1]]
-
-
 def test_packer_sends_large_values_as_the_callers_buffer():
     from kvstore.stores.redis import _ZeroCopyPacker
 

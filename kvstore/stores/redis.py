@@ -55,9 +55,6 @@ _SCAN_COUNT = 1000
 # hiredis; 1 MiB pieces halve the cost of multi-MiB GETs (32 MiB: 0.2 -> 0.4 GB/s measured).
 _READ_SIZE = 1 << 20
 _HUGE_VALUE = 1 << 20
-# Values of one batch are read into shared numpy arenas of at most this size (see _DirectReplies).
-_ARENA_BYTES = 256 << 20
-_OWN_HUGE_PAGES = 4 << 20  # numpy madvises huge pages for arrays from this size
 
 
 @dataclass(frozen=True)
@@ -200,38 +197,16 @@ class _DirectReplies:
 
     redis-py hands every reply to hiredis, whose buffer grows by reallocation and is then copied
     into a new ``bytes``: three copies of a 32 MiB value. Here the bulk header is parsed and the
-    value is received with ``recv_into`` into its final place: one write per byte. Values from
-    4 MiB get a numpy buffer each (numpy asks the kernel for transparent huge pages). Values of
-    1-4 MiB go into one numpy arena per batch (sized from the first value times the replies still
-    to come, at most ``_ARENA_BYTES``), so they get huge pages too instead of a 4 KiB page fault
-    per page: separate 1-3 MiB buffers come from a heap that glibc trims between batches.
-    Measured GET of 16 x 3 MiB / 48 x 1 MiB: 1.26-1.28x on a loaded 2-core host. Values come back
-    as memoryviews (the caller owns them; a value kept alive keeps its arena). Only used right after
-    sending GETs on a connection whose parser holds nothing (request/response order).
+    value is received with ``recv_into`` into one new buffer: one write per byte. Values come back
+    as memoryviews of that buffer (the caller owns it). Only used right
+    after sending GETs on a connection whose parser holds nothing (request/response order).
     """
 
     _HEADER_READ = 1 << 16
 
-    def __init__(self, sock: Any, count: int = 1) -> None:
+    def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._buf = bytearray()
-        self._left = count  # replies not yet started
-        self._arena: np.ndarray | None = None
-        self._used = 0
-
-    def _place(self, size: int) -> memoryview:
-        if size < _HUGE_VALUE:
-            return memoryview(bytearray(size))
-        if size >= _OWN_HUGE_PAGES:  # numpy asks for huge pages itself; a shared arena measured no faster
-            return memoryview(np.empty(size, dtype=np.uint8))
-        arena = self._arena
-        if arena is None or self._used + size > arena.size:
-            # Pages a miss or a shorter value leaves untouched are never faulted in.
-            arena = self._arena = np.empty(size * max(1, min(self._left + 1, _ARENA_BYTES // size)), dtype=np.uint8)
-            self._used = 0
-        view = memoryview(arena)[self._used:self._used + size]
-        self._used += size
-        return view
 
     def _fill(self) -> None:
         chunk = self._sock.recv(self._HEADER_READ)
@@ -247,7 +222,6 @@ class _DirectReplies:
         return line
 
     def value(self) -> memoryview | None:
-        self._left -= 1
         line = self._line()
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
@@ -257,7 +231,9 @@ class _DirectReplies:
         if kind != b"$":
             raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:40]!r}")
         size = int(line[1:])
-        view = self._place(size)
+        # A fresh buffer over glibc's mmap threshold page-faults per 4 KiB page (about 0.4 GB/s
+        # here for 32 MiB); numpy asks the kernel for transparent huge pages: about 2x faster.
+        view = memoryview(np.empty(size, dtype=np.uint8) if size >= _HUGE_VALUE else bytearray(size))
         have = min(size, len(self._buf))
         view[:have] = self._buf[:have]
         del self._buf[:have]
@@ -394,7 +370,7 @@ class _RedisStoreBase(Store):
                 conn = pool.get_connection()
                 try:
                     conn.send_packed_command(conn.pack_commands(packed_args))
-                    reader = _DirectReplies(conn._sock, len(keys))
+                    reader = _DirectReplies(conn._sock)
                     return [reader.value() for _ in keys]
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
                     conn.disconnect()  # the stream is mid-reply: never reuse it
