@@ -6,6 +6,10 @@ layers into one staging tensor, as KVTransfer does per chunk) and scatter (the r
 = 10^9 payload bytes/s, median [min-max] of ``--repeat`` runs, and the ratio to a memcpy of
 the same total bytes into preallocated memory.
 
+A second table measures the same prompt through ``KVTransfer``, per 256-token chunk as the
+save and load paths run it: gather of all layers into the staging tensor, and scatter straight
+from an encoded record's payload (read-only bytes at whatever alignment the header leaves).
+
     python benchmarks/bench_paged.py [--repeat 9] [--threads N]
 """
 
@@ -17,11 +21,18 @@ import platform
 import statistics
 import time
 
+import numpy as np
 import torch
 
-from kvstore.paged import BHNCLayout, CPUPackedLayout, FlashLayout, MLALayout, slots_from_block_table
+from kvstore.keys import Namespace
+from kvstore.paged import BHNCLayout, CPUPackedLayout, FlashLayout, KVTransfer, MLALayout, slots_from_block_table
+from kvstore.prefix_cache import PrefixCache
+from kvstore.record import encode_record, read_header
+from kvstore.stores.memory import MemoryStore
 
-LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS = 32, 8, 128, 16, 512, 2048
+LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 512, 2048, 256
+NAMES = ("flash-2bnhd", "vllm-bhnc (GPU NHD view, strided)", "vllm-bhnc (HND, fallback path)",
+         "vllm-cpu-vec (whole blocks)", "mla-bnl (latent 576)")
 
 
 def caches(name: str) -> tuple[object, list[torch.Tensor]]:
@@ -69,8 +80,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; {TOKENS} tokens, {LAYERS} layers, repeat {args.repeat}")
     print("| layout | MiB | memcpy GB/s | gather GB/s | gather/memcpy | scatter GB/s | scatter/memcpy |")
     print("|---|---|---|---|---|---|---|")
-    for name in ("flash-2bnhd", "vllm-bhnc (GPU NHD view, strided)", "vllm-bhnc (HND, fallback path)",
-                 "vllm-cpu-vec (whole blocks)", "mla-bnl (latent 576)"):
+    for name in NAMES:
         layout, layers = caches(name)
         staging = torch.empty((LAYERS, *layout.chunk_shape(layers[0], TOKENS)), dtype=torch.bfloat16)
         nbytes = staging.numel() * staging.element_size()
@@ -97,6 +107,46 @@ def main() -> None:
         s, ss = fmt(nbytes, sc)
         print(f"| {name} | {nbytes / 2**20:.0f} | {ms} | {gs} | {g / m:.2f} | {ss} | {s / m:.2f} |", flush=True)
         del layers, staging, src, dst
+        gc.collect()
+
+    print(f"\nPer {CHUNK}-token chunk through KVTransfer (save: gather into staging; load: scatter from record bytes)")
+    print("| layout | MiB | memcpy GB/s | gather GB/s | gather/memcpy | scatter GB/s | scatter/memcpy |")
+    print("|---|---|---|---|---|---|---|")
+    tokens = np.arange(TOKENS, dtype=np.uint32)
+    for name in NAMES:
+        layout, layers = caches(name)
+        ns = Namespace(model="bench", kv_dtype="bfloat16", layout=layout.name, block_size=BLOCK,
+                       chunk_tokens=CHUNK, layer_end=LAYERS)
+        xfer = KVTransfer(PrefixCache(MemoryStore(), ns), layers, layout)
+        chunks = xfer.keys(tokens)
+        payloads = []  # the KV bytes of each encoded record, where load_sequence's sink gets them
+        for c in chunks:
+            kv = xfer._gather(slots[c.start:c.end]).reshape(-1).view(torch.uint8).numpy()
+            rec = encode_record(namespace=ns, chunk=c, tokens=tokens[c.start:c.end], dtype="bfloat16",
+                                shapes=xfer._shapes(c.num_tokens), kv=kv)
+            payloads.append(memoryview(rec)[len(rec) - read_header(rec).payload_len:])
+        nbytes = sum(len(p) for p in payloads)
+        src = torch.randn(nbytes // 2).to(torch.bfloat16)
+        dst = torch.empty_like(src)
+
+        def save_side() -> None:
+            for c in chunks:
+                xfer._gather(slots[c.start:c.end])
+
+        def load_side() -> None:
+            for c, kv in zip(chunks, payloads):
+                xfer._scatter(slots[c.start:c.end], kv)
+
+        mc, ga, sc = [], [], []
+        for _ in range(args.repeat):
+            mc += timeit(lambda: dst.copy_(src), 1)
+            ga += timeit(save_side, 1)
+            sc += timeit(load_side, 1)
+        m, ms = fmt(nbytes, mc)
+        g, gs = fmt(nbytes, ga)
+        sv, ss = fmt(nbytes, sc)
+        print(f"| {name} | {nbytes / 2**20:.0f} | {ms} | {gs} | {g / m:.2f} | {ss} | {sv / m:.2f} |", flush=True)
+        del layers, xfer, payloads, src, dst
         gc.collect()
 
 

@@ -17,9 +17,10 @@ Copies are vectorised, never a Python loop per token or block. On the CPU they a
 ``take(out=)`` / fancy assignment over opaque *items*: one token's row or, when the slots are
 whole blocks in order (a 256-token chunk at block size 16 is 16 blocks), one whole block.
 numpy moves each item with one ``memcpy``, at any alignment, on the calling thread. Measured
-on a shared 2-core host (benchmarks/results/paged.md): 0.7-0.8 of a same-size memcpy for
-gather and scatter, where torch's ``index_copy_`` on an int64 view reached 0.5-0.64 on one
-thread, and torch's intra-op pool stalled (0.03-0.1 of memcpy) whenever the cores were shared.
+on a shared 2-core host (benchmarks/results/paged.md), one thread: 0.6-0.8 of a same-size
+memcpy for gather and scatter, where torch reached 0.38-0.86 and 0.49-0.62. With both cores
+free torch's two threads copied a whole prompt faster for some layouts, but its intra-op pool
+stalled (0.01-0.1 of memcpy) whenever the cores were shared; this path never waits on a pool.
 On other devices the copies are ``index_select(out=)`` / ``index_copy_`` (on an int64 view of
 the rows where the strides allow). Layouts accept arbitrary strides (vLLM hands GPU backends a
 permuted, non-contiguous view); where slots cannot be addressed as one merged dimension they
