@@ -74,7 +74,7 @@ class RedisConfig:
     ttl: float = option(0.0, kind="duration", help="Expire values this long after writing; 0 keeps them.")
     prefix: str = option("", help="Prepended to every key (several caches in one database).")
     max_connections: int = option(16, help="Connection pool size (per node in a cluster).")
-    timeout: float = option(5.0, kind="duration", help="Deadline of each socket read or write.")
+    timeout: float = option(1.0, kind="duration", help="Deadline of each socket read or write (an engine waits at most this, times 1 + retries, per call before the circuit breaker skips the tier).")
     connect_timeout: float = option(1.0, kind="duration", help="Deadline to connect.")
     retries: int = option(1, help="Immediate retries of a failed command (a pooled socket may be stale).")
 
