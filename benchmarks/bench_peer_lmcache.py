@@ -1,0 +1,425 @@
+"""kvstore against its peer, LMCache 0.5.6, on one redis-server, in the same run.
+
+Not part of the test suite, and LMCache is never a dependency of kvstore: this script runs with
+a separate virtual environment that has both installed (the project's own venv stays clean).
+
+Setting up the peer venv (Python 3.11, about 5 minutes; LMCache's CUDA packages are never
+installed, its CPU standalone mode does not load them)::
+
+    python3 -m venv /tmp/peer-venv
+    P=/tmp/peer-venv/bin/pip
+    $P install torch==2.13.0 numpy==2.3.5 msgpack lz4 xxhash redis hiredis
+    $P install --no-deps lmcache==0.5.6
+    $P install sortedcontainers aiofile aiofiles caio nvtx awscrt pyyaml requests aiohttp msgspec \
+        psutil py-cpuinfo pyzmq "prometheus_client<=0.24.1" fastapi uvicorn httpx safetensors blake3 \
+        cachetools "opentelemetry-api<=1.40.0" opentelemetry-sdk cryptography \
+        numba==0.65.0 llvmlite==0.47.0 transformers==5.19.0 tokenizers==0.23.3 huggingface_hub==2.4.0
+    $P install --no-deps -e .          # kvstore itself, from the repository root
+    /tmp/peer-venv/bin/python benchmarks/bench_peer_lmcache.py [--reps 7] [--only 32MiB|3MiB]
+
+(pip warns that lmcache wants numpy<=2.2.6, setuptools<81, cupy, cufile...: not needed here.
+numpy 2.3.5, numba and transformers are pinned to the versions of the project venv.)
+
+What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 layers x K,V x
+8 KV heads x 128) or 3 MiB chunks (24 layers x K,V x 2 heads x 64). Paths, measured round-robin
+(rep i of every path runs before rep i+1 of any; the server is flushed before each path's store):
+
+  LMCache redis://   LMCacheEngine (CPU standalone: mock GPU connector, local_cpu=False so the
+                     CPU backend is only its allocator, remote_url=redis://, naive serde) store()
+                     until its background batched put has finished; retrieve() of all tokens
+  LMCache resp://    the same with its C++ RESP client (8 threads)
+  kvstore cache      PrefixCache.save (lookup to skip stored chunks, encode_record: copy + xxh3,
+                     one pipelined put_many) / PrefixCache.load (one get_many, full verification:
+                     namespace, key, token ids, dtype, shapes, checksum; the sink copies each
+                     chunk into a preallocated tensor)
+  kvstore store      bare RedisStore.put_many / get_many of the same encoded records
+
+Lookups of the 16 stored chunks: LMCache ``engine.lookup(tokens)`` (token hashing included);
+kvstore ``PrefixCache.keys(tokens)`` + ``lookup(keys)`` (chunk hashing included), and ``lookup``
+alone (one pipelined EXISTS round trip).
+
+Then a verification contrast: one stored chunk's value is overwritten in Redis with random bytes of
+the same length, and each path retrieves again.
+
+LMCache's standalone mode copies nothing from or to a KV cache (its mock connector's
+from_gpu/to_gpu do nothing), so its store sends whatever its allocator buffers hold and its
+retrieve ends when the bytes are in its buffers. kvstore's save includes one copy of the KV into
+the record plus hashing, and its load the verification plus a copy into the destination tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # its per-op INFO lines cost time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from common import machine  # noqa: E402
+import servers  # noqa: E402
+from kvstore.errors import CorruptRecordError  # noqa: E402
+from kvstore.keys import Namespace  # noqa: E402
+from kvstore.prefix_cache import ChunkPayload, PrefixCache  # noqa: E402
+from kvstore.record import decode_record  # noqa: E402
+from kvstore.stores.redis import RedisStore  # noqa: E402
+
+N_CHUNKS = 16
+SHAPES = {  # name: (layers, kv heads, head size, tokens per chunk)
+    "32MiB": (32, 8, 128, 256),
+    "3MiB": (24, 2, 64, 256),
+}
+LOOKUP_REPS = 15  # lookups per path per round
+
+
+class Data:
+    """The KV of ``N_CHUNKS`` chunks of one shape, its tokens, and a destination for loads."""
+
+    def __init__(self, name: str) -> None:
+        layers, heads, head, tokens = SHAPES[name]
+        self.name, self.layers, self.heads, self.head, self.tokens_per_chunk = name, layers, heads, head, tokens
+        self.n = N_CHUNKS
+        g = torch.Generator().manual_seed(0)
+        self.kv = torch.randn(self.n, layers, 2, tokens, heads, head, generator=g).to(torch.bfloat16)
+        self.kv_u8 = self.kv.view(torch.uint8).numpy().reshape(self.n, -1)
+        self.chunk_bytes = self.kv_u8.shape[1]
+        self.nbytes = self.n * self.chunk_bytes
+        self.token_ids = (np.arange(tokens * self.n, dtype=np.uint32) * 7919 + 11) % 32000
+        self.shapes = [(2, tokens, heads, head)] * layers
+        self.dest = np.ones_like(self.kv_u8)  # touched: loads write into resident memory
+
+
+# -- LMCache ------------------------------------------------------------------------------------
+class LMCachePath:
+    """One LMCacheEngine in CPU standalone mode whose remote backend is ``url``."""
+
+    def __init__(self, scheme: str, port: int, data: Data) -> None:
+        from lmcache.utils import EngineType, mock_up_broadcast_fn, mock_up_broadcast_object_fn
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.gpu_connector import CreateGPUConnector
+        from lmcache.v1.metadata import LMCacheMetadata
+
+        self.name = f"LMCache {scheme}://"
+        self.data = data
+        instance = f"bench-{scheme}-{data.name}"
+        # Room for a store's and a retrieve's buffers at once, plus slack.
+        cpu_gb = 2.5 * data.nbytes / 2**30 + 0.1
+        self.config = LMCacheEngineConfig.from_defaults(
+            chunk_size=data.tokens_per_chunk, local_cpu=False, max_local_cpu_size=cpu_gb,
+            remote_url=f"{scheme}://127.0.0.1:{port}", remote_serde="naive", save_unfull_chunk=False,
+            lmcache_instance_id=instance)
+        kv_shape = (data.layers, 2, data.tokens_per_chunk, data.heads, data.head)
+        metadata = LMCacheMetadata(model_name=f"bench-{data.name}", world_size=1, local_world_size=1, worker_id=0,
+                                   local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=kv_shape, use_mla=False,
+                                   role="worker")
+        self.connector = CreateGPUConnector(self.config, metadata, EngineType.MOCK)
+        self.engine = LMCacheEngineBuilder.get_or_create(instance, self.config, metadata, self.connector,
+                                                         mock_up_broadcast_fn, mock_up_broadcast_object_fn)
+        self.engine.post_init()
+        backend = self.engine.storage_manager.storage_backends["RemoteBackend"]
+        # store() only queues the put on the backend's event loop; wrap the connection's batched
+        # put to learn when the data is in Redis (store time = call + background put).
+        conn = backend.connection
+        self._put_done = threading.Event()
+        original = conn.batched_put
+
+        async def batched_put(keys, memory_objs):
+            try:
+                await original(keys, memory_objs)
+            finally:
+                self._put_done.set()
+
+        conn.batched_put = batched_put
+        self.tokens = torch.from_numpy(data.token_ids.astype(np.int64))
+        self.captured: dict[int, bytes] | None = None  # start token -> bytes, for the noise test
+        original_to_gpu = self.connector.batched_to_gpu
+
+        def batched_to_gpu(memory_objs, starts, ends, **kwargs):
+            if self.captured is not None:
+                for obj, start in zip(memory_objs, starts):
+                    self.captured[start] = bytes(memoryview(obj.byte_array).cast("B"))
+            return original_to_gpu(memory_objs, starts, ends, **kwargs)
+
+        self.connector.batched_to_gpu = batched_to_gpu
+
+    def store(self) -> None:
+        self._put_done.clear()
+        self.engine.store(tokens=self.tokens)
+        if not self._put_done.wait(60):
+            raise TimeoutError(f"{self.name}: store did not finish")
+
+    def retrieve(self) -> int:
+        return int(self.engine.retrieve(self.tokens).sum())
+
+    def get(self) -> None:
+        got = self.retrieve()
+        assert got == len(self.tokens), f"{self.name} retrieved {got} of {len(self.tokens)} tokens"
+
+    def lookup(self) -> None:
+        got = self.engine.lookup(self.tokens)
+        assert got == len(self.tokens), f"{self.name} lookup found {got} tokens"
+
+    def close(self) -> None:
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        LMCacheEngineBuilder.destroy(self.config.lmcache_instance_id)
+
+
+# -- kvstore ------------------------------------------------------------------------------------
+class KVStorePath:
+    """PrefixCache save/load over a RedisStore, and the bare store calls on the same records."""
+
+    def __init__(self, url: str, data: Data) -> None:
+        self.data = data
+        self.ns = Namespace(model=f"bench-{data.name}", kv_dtype="bfloat16", layout="bench", block_size=16,
+                            chunk_tokens=data.tokens_per_chunk, layer_end=data.layers)
+        self.store = RedisStore.from_url(url)
+        self.cache = PrefixCache(self.store, self.ns)
+        self.keys = self.cache.keys(data.token_ids)
+        shapes = data.shapes
+        self._payloads = [ChunkPayload(shapes=shapes, kv=data.kv_u8[i]) for i in range(data.n)]
+        self._shapes = lambda chunk: shapes
+        # The bare rows move the records PrefixCache writes (encoded once, untimed).
+        self.cache.save(data.token_ids, self.keys, self._payload, skip_stored=False)
+        self.records = [bytes(v) for v in self.store.get_many([k.key for k in self.keys])]
+        self.items = list(zip([k.key for k in self.keys], self.records))
+        self.record_bytes = sum(len(r) for r in self.records)
+
+    def _payload(self, chunk) -> ChunkPayload:
+        return self._payloads[chunk.index]
+
+    def _sink(self, chunk, record) -> None:
+        np.copyto(self.data.dest[chunk.index], np.frombuffer(record.kv, dtype=np.uint8))
+
+    def save(self) -> None:
+        n = self.cache.save(self.data.token_ids, self.keys, self._payload)
+        assert n == self.data.n, f"saved {n} chunks"
+
+    def load(self):
+        return self.cache.load(self.data.token_ids, self.keys, self._sink, shapes=self._shapes)
+
+    def get(self) -> None:
+        result = self.load()
+        assert result.num_chunks == self.data.n, f"loaded {result.num_chunks} chunks ({result.reason})"
+
+    def put_bare(self) -> None:
+        self.store.put_many(self.items)
+
+    def get_bare(self) -> None:
+        values = self.store.get_many([k for k, _ in self.items])
+        assert all(v is not None for v in values)
+
+    def lookup(self) -> None:
+        keys = self.cache.keys(self.data.token_ids)
+        assert self.cache.lookup(keys) == self.data.n
+
+    def lookup_only(self) -> None:
+        assert self.cache.lookup(self.keys) == self.data.n
+
+
+# -- measuring ----------------------------------------------------------------------------------
+def stats(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def run_size(name: str, server: servers.RedisServer, reps: int, results: dict) -> None:
+    import redis
+
+    data = Data(name)
+    raw = redis.Redis(port=server.port)
+    raw.flushall()
+    lm = {scheme: LMCachePath(scheme, server.port, data) for scheme in ("redis", "resp")}
+    kv = KVStorePath(server.url, data)
+    # name: (put, get, lookups {label: fn})
+    paths = {
+        "LMCache redis://": (lm["redis"].store, lm["redis"].get, {"LMCache redis:// lookup": lm["redis"].lookup}),
+        "LMCache resp://": (lm["resp"].store, lm["resp"].get, {"LMCache resp:// lookup": lm["resp"].lookup}),
+        "kvstore PrefixCache save/load": (kv.save, kv.get, {"kvstore keys+lookup": kv.lookup,
+                                                            "kvstore lookup": kv.lookup_only}),
+        "kvstore RedisStore put_many/get_many": (kv.put_bare, kv.get_bare, {}),
+    }
+    put_t = {p: [] for p in paths}
+    get_t = {p: [] for p in paths}
+    look_t: dict[str, list[float]] = {label: [] for _, _, ls in paths.values() for label in ls}
+    loads = [os.getloadavg()[0]]
+    print(f"\n{name}: {data.n} chunks, {data.nbytes / 2**20:.0f} MiB of KV per op "
+          f"(kvstore records {kv.record_bytes / 2**20:.2f} MiB)", flush=True)
+    for rep in range(reps + 1):  # rep 0 warms up
+        for pname, (put, get, lookups) in paths.items():
+            raw.flushall()
+            t = time.perf_counter()
+            put()
+            t_put = time.perf_counter() - t
+            lk = {}
+            for label, fn in lookups.items():
+                lk[label] = []
+                for _ in range(LOOKUP_REPS):
+                    t = time.perf_counter()
+                    fn()
+                    lk[label].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            get()
+            t_get = time.perf_counter() - t
+            if rep:
+                put_t[pname].append(t_put)
+                get_t[pname].append(t_get)
+                for label, ts in lk.items():
+                    look_t[label].extend(ts)
+        loads.append(os.getloadavg()[0])
+        print(f"  round {rep}{' (warm-up)' if not rep else ''} done, load average {loads[-1]:.2f}", flush=True)
+    raw.flushall()
+    res = {"paths": {}, "lookups": {}, "loads": loads, "nbytes": data.nbytes, "record_bytes": kv.record_bytes}
+    for pname in paths:
+        # GB/s of KV moved (10^9 B/s); kvstore's records carry ~1 KiB of header more per chunk.
+        res["paths"][pname] = (stats([data.nbytes / t / 1e9 for t in put_t[pname]]),
+                               stats([data.nbytes / t / 1e9 for t in get_t[pname]]))
+        p, g = res["paths"][pname]
+        print(f"  {pname:<38} store {p[0]:5.2f} [{p[1]:.2f}-{p[2]:.2f}]  "
+              f"retrieve {g[0]:5.2f} [{g[1]:.2f}-{g[2]:.2f}] GB/s", flush=True)
+    for label, ts in look_t.items():
+        res["lookups"][label] = stats([t * 1e3 for t in ts])
+        m = res["lookups"][label]
+        print(f"  {label:<38} {m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}] ms", flush=True)
+    res["noise"] = noise_contrast(data, lm, kv, raw)
+    for path in lm.values():
+        path.close()
+    kv.store.close()
+    raw.flushall()
+    results[name] = res
+
+
+def noise_contrast(data: Data, lm: dict, kv: KVStorePath, raw) -> list[str]:
+    """Overwrite chunk ``bad``'s stored value with noise of the same length; retrieve through each."""
+    bad = 5
+    start = bad * data.tokens_per_chunk
+    lines = []
+    for scheme, path in lm.items():
+        raw.flushall()
+        path.store()
+        names = sorted(k for k in raw.keys() if not k.endswith(b"metadata"))
+        # Find chunk ``bad``'s key: LMCache's key strings carry the chunk hash, not its index.
+        target = _lmcache_key_of(path, bad, scheme)
+        assert target in names, (target, names[:3])
+        size = raw.strlen(target)
+        noise = os.urandom(size)
+        raw.set(target, noise)
+        path.captured = {}
+        got = path.retrieve()
+        returned = path.captured.get(start)
+        path.captured = None
+        same = returned is not None and returned[:size] == noise
+        lines.append(f"{path.name}: value of chunk {bad} ({size} B) overwritten with noise; retrieve returned "
+                     f"{got}/{len(path.tokens)} tokens; chunk {bad}'s bytes handed to the connector "
+                     f"{'ARE the noise' if same else 'are not the noise'}")
+        print("  " + lines[-1], flush=True)
+    for variant in ("whole value", "payload only"):
+        raw.flushall()
+        kv.save()
+        key = kv.keys[bad].key
+        value = raw.get(key)
+        header_end = len(value) - (data.chunk_bytes)
+        noise = os.urandom(len(value)) if variant == "whole value" else value[:header_end] + os.urandom(data.chunk_bytes)
+        raw.set(key, noise)
+        try:
+            decode_record(noise, namespace=kv.ns, chunk=kv.keys[bad], tokens=data.token_ids[start:start + data.tokens_per_chunk],
+                          dtype="bfloat16")
+            why = "accepted (!)"
+        except CorruptRecordError as exc:
+            why = f"CorruptRecordError reason={exc.reason!r}"
+        data.dest[:] = 1
+        result = kv.load()
+        intact = all(np.array_equal(data.dest[i], data.kv_u8[i]) for i in range(result.num_chunks))
+        untouched = not np.any(data.dest[bad] != 1)
+        lines.append(f"kvstore PrefixCache.load, {variant} of chunk {bad} ({len(value)} B) overwritten with noise: "
+                     f"loaded {result.num_chunks}/{data.n} chunks (reason {result.reason!r}; decode: {why}); "
+                     f"chunks 0-{result.num_chunks - 1} equal the saved KV: {intact}; chunk {bad}'s destination "
+                     f"left untouched: {untouched}; the bad record was deleted: {not raw.exists(key)}")
+        print("  " + lines[-1], flush=True)
+    raw.flushall()
+    return lines
+
+
+def _lmcache_key_of(path: LMCachePath, index: int, scheme: str) -> bytes:
+    """The Redis key under which ``path`` stores chunk ``index``."""
+    keys = [key for _, _, key in path.engine.token_database.process_tokens(tokens=path.tokens)]
+    key = keys[index].to_string()
+    return (key + ("kv_bytes" if scheme == "redis" else "")).encode()
+
+
+# -- report -------------------------------------------------------------------------------------
+def versions() -> str:
+    import hiredis
+    import lmcache
+    import redis
+
+    server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]
+    return (f"lmcache {lmcache.__version__}, redis-py {redis.__version__}, hiredis {hiredis.__version__}, "
+            f"redis-server {server}, numpy {np.__version__}, {platform.platform()}")
+
+
+def render(results: dict, reps: int) -> str:
+    out = [f"Machine: {machine()}", f"Versions: {versions()}", f"{reps} measured rounds (+1 warm-up), "
+           f"{N_CHUNKS} chunks per op, GB/s of KV (10^9 B/s), median [min-max].", ""]
+    for name, res in results.items():
+        loads = res["loads"]
+        out += [f"### {N_CHUNKS} x {name} chunks ({res['nbytes'] / 2**20:.0f} MiB of KV per op)", "",
+                f"Load average (1 min) while measuring: {min(loads):.2f}-{max(loads):.2f}.", "",
+                "| path | store | retrieve |", "|---|---|---|"]
+        for pname, (p, g) in res["paths"].items():
+            out.append(f"| {pname} | {p[0]:.2f} [{p[1]:.2f}-{p[2]:.2f}] | {g[0]:.2f} [{g[1]:.2f}-{g[2]:.2f}] |")
+        out += ["", "Ratios of medians, kvstore / LMCache (above 1: kvstore faster):", "",
+                "| kvstore path | vs | store | retrieve |", "|---|---|---|---|"]
+        for kpath in ("kvstore PrefixCache save/load", "kvstore RedisStore put_many/get_many"):
+            for lpath in ("LMCache redis://", "LMCache resp://"):
+                kp, kg = res["paths"][kpath]
+                lp, lg = res["paths"][lpath]
+                out.append(f"| {kpath} | {lpath} | {kp[0] / lp[0]:.2f} | {kg[0] / lg[0]:.2f} |")
+        out += ["", f"Lookup of {N_CHUNKS} stored chunks, ms, median [min-max] of {reps * LOOKUP_REPS}:", "",
+                "| lookup | ms |", "|---|---|"]
+        for label, m in res["lookups"].items():
+            out.append(f"| {label} | {m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}] |")
+        lk = res["lookups"]
+        out += ["", "LMCache / kvstore keys+lookup latency: "
+                f"redis:// {lk['LMCache redis:// lookup'][0] / lk['kvstore keys+lookup'][0]:.1f}x, "
+                f"resp:// {lk['LMCache resp:// lookup'][0] / lk['kvstore keys+lookup'][0]:.1f}x", "",
+                "Noise contrast:", ""] + [f"- {line}" for line in res["noise"]] + [""]
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--only", choices=sorted(SHAPES))
+    parser.add_argument("--out", help="also write the markdown tables here")
+    args = parser.parse_args()
+    print(machine(), flush=True)
+    server = servers.RedisServer()
+    results: dict = {}
+    try:
+        for name in SHAPES:
+            if args.only and name != args.only:
+                continue
+            run_size(name, server, args.reps, results)
+    finally:
+        server.close()
+    text = render(results, args.reps)
+    print("\n" + text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
