@@ -38,6 +38,9 @@ Lookups of the 16 stored chunks: LMCache ``engine.lookup(tokens)`` (token hashin
 kvstore ``PrefixCache.keys(tokens)`` + ``lookup(keys)`` (chunk hashing included), and ``lookup``
 alone (one pipelined EXISTS round trip).
 
+LMCache 0.5.6's ``resp://`` lookups can hang forever (a race in its native client wrapper, see
+``_fix_lmcache_resp_sync_race``): this script patches that race before building any engine.
+
 Then a verification contrast: one stored chunk's value is overwritten in Redis with random bytes of
 the same length, and each path retrieves again.
 
@@ -102,6 +105,71 @@ class Data:
 
 
 # -- LMCache ------------------------------------------------------------------------------------
+def _fix_lmcache_resp_sync_race() -> None:
+    """Close a race in LMCache 0.5.6's native RESP client wrapper (``resp://``) that hangs lookups.
+
+    ``ConnectorClientBase.batch_exists_sync`` (and the other ``*_sync`` calls) submit to the C++
+    client first and register their future afterwards, from the caller's thread. If the event-loop
+    thread drains the completion in between, ``_on_ready`` finds no entry, drops the completion,
+    and ``fut.result()`` (no timeout) waits forever. Seen here after a few hundred ``lookup`` calls
+    on 2 cores. The fix: a completion that arrives before its future is kept, and registration
+    takes it under a lock. It adds one uncontended lock per completion.
+    """
+    import concurrent.futures
+
+    from lmcache.v1.storage_backend.native_clients import connector_client_base as ccb
+
+    base = ccb.ConnectorClientBase
+    lock = threading.Lock()
+
+    def resolve(entry, item) -> None:
+        fut, op = entry[0], entry[1]
+        _, ok, error, result_bools = item
+        if fut.done():
+            return
+        if not ok:
+            fut.set_exception(RuntimeError(str(error)))
+        elif op == "exists":
+            fut.set_result(bool(result_bools[0]) if result_bools else False)
+        elif op == "batch_exists":
+            fut.set_result(list(result_bools) if result_bools is not None else [])
+        else:
+            fut.set_result(None)
+
+    def _on_ready(self) -> None:
+        if self._closed:
+            return
+        early = self.__dict__.setdefault("_early_completions", {})
+        try:
+            while True:
+                items = self._client.drain_completions()
+                if not items:
+                    return
+                for item in items:
+                    with lock:
+                        entry = self._pending.pop(int(item[0]), None)
+                        if entry is None:
+                            early[int(item[0])] = item
+                            continue
+                    resolve(entry, item)
+        except Exception as e:  # as the original: the native layer is broken
+            self._fail_all(RuntimeError(f"native drain_completions failed: {e}"))
+            self._shutdown_native(best_effort=True)
+
+    def _register_future_sync(self, op, future_id, keepalive=()):
+        fut = concurrent.futures.Future()
+        with lock:
+            item = self.__dict__.setdefault("_early_completions", {}).pop(int(future_id), None)
+            if item is None:
+                self._pending[int(future_id)] = (fut, op, keepalive)
+                return fut
+        resolve((fut, op), item)
+        return fut
+
+    base._on_ready = _on_ready
+    base._register_future_sync = _register_future_sync
+
+
 class LMCachePath:
     """One LMCacheEngine in CPU standalone mode whose remote backend is ``url``."""
 
@@ -172,10 +240,6 @@ class LMCachePath:
         got = self.engine.lookup(self.tokens)
         assert got == len(self.tokens), f"{self.name} lookup found {got} tokens"
 
-    def close(self) -> None:
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
-        LMCacheEngineBuilder.destroy(self.config.lmcache_instance_id)
 
 
 # -- kvstore ------------------------------------------------------------------------------------
@@ -294,8 +358,8 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict) -
         m = res["lookups"][label]
         print(f"  {label:<38} {m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}] ms", flush=True)
     res["noise"] = noise_contrast(data, lm, kv, raw)
-    for path in lm.values():
-        path.close()
+    # LMCache engines are left open: LMCacheEngineBuilder.destroy() hangs in 0.5.6 (RemoteBackend.close
+    # waits forever on its connection's close()); the process ends with os._exit instead.
     kv.store.close()
     raw.flushall()
     results[name] = res
@@ -406,6 +470,7 @@ def main() -> None:
     parser.add_argument("--out", help="also write the markdown tables here")
     args = parser.parse_args()
     print(machine(), flush=True)
+    _fix_lmcache_resp_sync_race()  # before any engine exists: add_reader binds _on_ready
     server = servers.RedisServer()
     results: dict = {}
     try:
@@ -419,6 +484,8 @@ def main() -> None:
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)
+    sys.stdout.flush()
+    os._exit(0)  # LMCache's non-daemon threads would keep the process alive
 
 
 if __name__ == "__main__":
