@@ -24,7 +24,7 @@ import numpy as np
 
 from kvstore import metrics
 from kvstore.codecs import resolve_chain
-from kvstore.errors import CorruptRecordError, KVStoreError
+from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
 from kvstore.keys import ChunkKey, Namespace, chunk_keys, tokens_to_array
 from kvstore.record import DTYPES, Record, decode_record, encode_record
 from kvstore.stores.base import Buffer, Store
@@ -67,8 +67,6 @@ class PrefixCache:
         self.namespace = namespace
         itemsize = DTYPES.get(namespace.kv_dtype)
         if itemsize is None:
-            from kvstore.errors import ConfigError
-
             raise ConfigError(f"kv_dtype={namespace.kv_dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
         self.chain = resolve_chain(codec, itemsize)
 

@@ -66,14 +66,18 @@ def _writer(path: str, worker: int) -> None:
         store.put(f"kvs1/w/{i}", bytes([worker]) * 4096)
 
 
-def test_file_store_many_processes_write_whole_values(tmp_path):
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w)) for w in range(3)]
+def _run_processes(ctx, target, args_list) -> None:
+    """Start one spawned process per argument tuple, wait for all, and require clean exits."""
+    procs = [ctx.Process(target=target, args=args) for args in args_list]
     for p in procs:
         p.start()
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+
+
+def test_file_store_many_processes_write_whole_values(tmp_path):
+    _run_processes(mp.get_context("spawn"), _writer, [(str(tmp_path), w) for w in range(3)])
     store = open_store(f"file://{tmp_path}")
     for i in range(50):
         value = store.get(f"kvs1/w/{i}")
@@ -92,12 +96,7 @@ def test_file_store_budget_holds_across_processes(tmp_path):
     # Each writer alone stays under the budget (12 values of 4 KiB); four together write 192 KiB.
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(4)
-    procs = [ctx.Process(target=_bounded_writer, args=(str(tmp_path), w, barrier)) for w in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    _run_processes(ctx, _bounded_writer, [(str(tmp_path), w, barrier) for w in range(4)])
     store = open_store(f"file://{tmp_path}")
     assert sum(store.size_many(list(store.iter_keys()))) <= 64 * 1024
 
