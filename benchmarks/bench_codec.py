@@ -14,10 +14,10 @@ import statistics
 
 import numpy as np
 import torch
-
 from common import fmt, gbps, machine, timeit
+
 from kvstore import Namespace, chunk_keys, decode_record, encode_record
-from kvstore.codecs import resolve_chain
+from kvstore.record.codecs import resolve_chain
 
 LAYERS, HEADS, HEAD, TOKENS = 32, 8, 128, 256
 

@@ -36,7 +36,7 @@ NAMES = ("flash-2bnhd", "vllm-bhnc (GPU NHD view, strided)", "vllm-bhnc (HND, fa
 
 
 def caches(name: str) -> tuple[object, list[torch.Tensor]]:
-    z = lambda *s: torch.randn(*s, dtype=torch.float32).to(torch.bfloat16)  # noqa: E731
+    z = lambda *s: torch.randn(*s, dtype=torch.float32).to(torch.bfloat16)
     if name == "flash-2bnhd":
         return FlashLayout(), [z(2, BLOCKS, BLOCK, HEADS, HEAD) for _ in range(LAYERS)]
     if name == "vllm-bhnc (GPU NHD view, strided)":

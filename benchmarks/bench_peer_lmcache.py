@@ -71,13 +71,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from common import machine  # noqa: E402
-import servers  # noqa: E402
-from kvstore.errors import CorruptRecordError  # noqa: E402
-from kvstore.keys import Namespace  # noqa: E402
-from kvstore.prefix_cache import ChunkPayload, PrefixCache  # noqa: E402
-from kvstore.record import decode_record  # noqa: E402
-from kvstore.stores.redis import RedisStore  # noqa: E402
+import servers
+from common import machine
+
+from kvstore.errors import CorruptRecordError
+from kvstore.keys import Namespace
+from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.record import decode_record
+from kvstore.stores.redis import RedisStore
 
 N_CHUNKS = 16
 SHAPES = {  # name: (layers, kv heads, head size, tokens per chunk)

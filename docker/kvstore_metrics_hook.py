@@ -3,8 +3,8 @@
 Installed with a ``kvstore-metrics.pth`` file (``import kvstore_metrics_hook``), so it runs at the
 start of every Python process in the image. When ``KVSTORE_METRICS_PORT`` is set it waits, with a
 one-shot import hook, until the process imports the connector's options module
-(``connectors.vllm_config``, imported by ``connectors.vllm_v1`` in vLLM's scheduler and worker
-processes), then calls ``kvstore.metrics_server.start_from_env()``: each such process serves
+(``kvstore.connectors.vllm.options``, imported by the connector in vLLM's scheduler and worker
+processes), then calls ``kvstore.metrics.server.start_from_env()``: each such process serves
 ``/metrics`` on the next free port of ``KVSTORE_METRICS_PORT .. + KVSTORE_METRICS_PORT_RANGE``.
 Processes that never load the connector (pip, the healthcheck) open nothing. A failure is one
 line on stderr, never an error in the engine.
@@ -17,7 +17,7 @@ import importlib.util
 import os
 import sys
 
-TRIGGER = "connectors.vllm_config"
+TRIGGER = "kvstore.connectors.vllm.options"
 
 
 class _StartAfterExec(importlib.abc.Loader):
@@ -30,7 +30,7 @@ class _StartAfterExec(importlib.abc.Loader):
     def exec_module(self, module) -> None:  # type: ignore[no-untyped-def]
         self._inner.exec_module(module)
         try:
-            from kvstore.metrics_server import start_from_env
+            from kvstore.metrics.server import start_from_env
 
             server = start_from_env()
             if server is not None:

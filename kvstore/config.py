@@ -1,19 +1,25 @@
-"""Typed configuration from URLs.
+"""Typed options: one frozen dataclass per configurable thing, filled from URLs or mappings.
 
-Every store has one frozen dataclass of options. ``parse_query`` fills it from a URL's query
-string: each value is converted by the field's declared type, with two extra kinds given in
-field metadata (``kind="size"`` accepts ``8GiB``-style sizes, ``kind="duration"`` accepts
-``250ms``/``2s``/``1h``). An unknown parameter, a repeated one or a value that does not convert
-is a ``ConfigError`` naming it and what is accepted. Fields marked ``secret=True`` are hidden
-from ``repr`` (declare them with ``field(repr=False, ...)`` too) and from ``redact_url``.
+Every store, the tiered store and each engine adapter declare their options as dataclass fields
+made with ``option(default, help=..., kind=..., choices=..., secret=...)``. ``build(cls,
+options, where=...)`` fills one from raw values (a URL's query via ``query_options``, a JSON
+mapping, command-line strings): each value is converted by the field's declared type, with extra
+kinds given in ``option(kind=...)``: ``"size"`` accepts ``8GiB``-style sizes, ``"duration"``
+accepts ``250ms``/``2s``/``1h``, ``"urls"`` a URL or a list of URLs (``split_urls``). An unknown
+parameter, a repeated one or a value that does not convert is a ``ConfigError`` naming it and
+what is accepted. Fields marked ``secret=True`` are hidden from ``repr``; ``safe_repr`` also
+redacts passwords in URL fields. ``kvstore.docs`` renders the reference tables from the same
+metadata, so the documentation cannot drift from the code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import types
 import typing
-from typing import Any, Mapping, TypeVar
+from collections.abc import Mapping
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from kvstore.errors import ConfigError
@@ -29,6 +35,9 @@ _SIZE_UNITS = {
 }
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# A comma separates URLs only where a new URL (a scheme) follows: a cluster URL lists its
+# nodes with commas (redis+cluster://h1:7000,h2:7001).
+_URL_SEPARATOR = re.compile(r"\s+|,\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -80,7 +89,27 @@ def parse_bool(text: str | bool, *, name: str = "flag") -> bool:
     raise ConfigError(f"{name}={text!r} is not a boolean; use one of true/false, 1/0, yes/no, on/off")
 
 
-def convert(cls: type, field: dataclasses.Field, raw: Any) -> Any:
+def split_urls(text: str) -> list[str]:
+    """Store URLs written as one string (separated by spaces, or commas before a scheme)."""
+    return [u for u in _URL_SEPARATOR.split(text.strip()) if u]
+
+
+def parse_urls(raw: Any, *, name: str = "store") -> tuple[str, ...]:
+    """A URL, a string of URLs (``split_urls``) or a list of URL strings, as a tuple."""
+    if isinstance(raw, str):
+        urls = split_urls(raw)
+    elif isinstance(raw, (list, tuple)):
+        urls = list(raw)
+    else:
+        raise ConfigError(f"{name}={raw!r} must be a URL string or a list of URL strings")
+    for url in urls:
+        if not isinstance(url, str) or "://" not in url:
+            raise ConfigError(f"{name} entry {redact_url(url) if isinstance(url, str) else url!r} is not a URL "
+                              "(scheme://...)")
+    return tuple(urls)
+
+
+def convert(cls: type, field: dataclasses.Field[Any], raw: Any) -> Any:
     """Convert one raw option value to the type declared by ``field`` of dataclass ``cls``."""
     kind = field.metadata.get("kind")
     name = field.name
@@ -88,10 +117,12 @@ def convert(cls: type, field: dataclasses.Field, raw: Any) -> Any:
         return parse_size(raw, name=name)
     if kind == "duration":
         return parse_duration(raw, name=name)
+    if kind == "urls":
+        return parse_urls(raw, name=name)
     hint = typing.get_type_hints(cls)[name]
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args:
+    if origin in (typing.Union, types.UnionType) and args:
         if raw is None or raw == "":
             return None
         hint = args[0]
@@ -171,7 +202,28 @@ def redact_url(url: str) -> str:
 
 
 def option(default: Any = dataclasses.MISSING, *, kind: str | None = None, secret: bool = False,
-           choices: tuple | None = None, help: str = "", internal: bool = False) -> Any:
-    """A dataclass field with kvstore option metadata (``help`` feeds the config reference)."""
+           choices: tuple[Any, ...] | None = None, help: str = "", internal: bool = False,
+           factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with kvstore option metadata (``help`` feeds the config reference).
+
+    ``internal`` fields are set by code (from a URL's host, say), never by a user option;
+    ``factory`` makes a fresh default (a dict) per instance, like ``field(default_factory=)``.
+    """
     meta = {"kind": kind, "secret": secret, "choices": choices, "help": help, "internal": internal}
+    if factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory, repr=not secret, metadata=meta)
     return dataclasses.field(default=default, repr=not secret, metadata=meta)
+
+
+def safe_repr(obj: Any) -> str:
+    """``repr`` of an options dataclass without secrets: ``secret`` fields are left out and
+    passwords in ``urls`` fields are redacted."""
+    shown = []
+    for f in dataclasses.fields(obj):
+        if f.metadata.get("secret"):
+            continue
+        value = getattr(obj, f.name)
+        if f.metadata.get("kind") == "urls":
+            value = tuple(redact_url(u) for u in value)
+        shown.append(f"{f.name}={value!r}")
+    return f"{type(obj).__name__}({', '.join(shown)})"

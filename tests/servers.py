@@ -18,8 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 S3_ACCESS_KEY = "kvstore-test"
 S3_SECRET_KEY = "kvstore-test-secret"
@@ -84,7 +84,7 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
         try:
             if check():
                 return
-        except Exception:  # noqa: BLE001 - the server is still starting
+        except Exception:
             pass
         time.sleep(0.02)
     raise TimeoutError(f"{what} did not come up within {timeout}s")

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.agent import AgentConfig, KVStoreAgent
-from kvstore.engine import PRESETS, LlamaModel, ModelRunner
-from kvstore.engine.runner import build_model_input
+from kvstore.connectors.agent import AgentConfig, KVStoreAgent
 from kvstore.errors import ConfigError
 from kvstore.record import decode_record, encode_record
+from kvstore.testing.engine import PRESETS, LlamaModel, ModelRunner
+from kvstore.testing.engine.runner import build_model_input
 
 CFG = PRESETS["tiny"]
 CHUNK = 32
@@ -246,8 +246,8 @@ def test_two_processes_share_redis(redis_server):
     p = prompt(120, 11)
     child = textwrap.dedent(f"""
         import json
-        from connectors.agent import KVStoreAgent
-        from kvstore.engine import PRESETS, ModelRunner
+        from kvstore.connectors.agent import KVStoreAgent
+        from kvstore.testing.engine import PRESETS, ModelRunner
         cfg = PRESETS["tiny"]
         agent = KVStoreAgent(dict(store={url!r}, model=cfg.name, model_fingerprint=cfg.fingerprint,
                                   chunk_tokens={CHUNK}, role="producer", cache_salt="two-proc"))

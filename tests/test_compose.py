@@ -154,21 +154,23 @@ def test_redis_is_a_bounded_lru_cache(stack):
 
 # -- the connector ------------------------------------------------------------------------------------------
 def test_connector_configuration_validates(stack):
-    from connectors.vllm_config import KV_ROLES, parse_options
+    from kvstore.connectors.roles import ROLE_NAMES
+    from kvstore.connectors.vllm.options import parse_options
+    from kvstore.keys import check_chunk_tokens
 
     ktc = kv_transfer_config(stack)
     assert ktc["kv_connector"] == "KVStoreConnector"
     spec = importlib.util.find_spec(ktc["kv_connector_module_path"])
     assert spec is not None and spec.origin
-    assert "class KVStoreConnector(" in Path(spec.origin).read_text()
-    assert ktc["kv_role"] in KV_ROLES
+    assert "import KVStoreConnector" in Path(spec.origin).read_text()
+    assert ktc["kv_role"] in ROLE_NAMES
     opts = parse_options(ktc["kv_connector_extra_config"])
     for block_size in (16, 32, 64, 128):  # vLLM's GPU default (16) up to its CPU default (128)
-        opts.check_block_size(block_size)
+        check_chunk_tokens(opts.chunk_tokens, block_size)
 
 
 def test_store_urls_open_and_point_at_their_services(stack):
-    from connectors.vllm_config import parse_options
+    from kvstore.connectors.vllm.options import parse_options
     from kvstore.stores import open_store
 
     services = _services(stack)
@@ -195,7 +197,7 @@ def test_store_urls_open_and_point_at_their_services(stack):
 
 # -- metrics ------------------------------------------------------------------------------------------------
 def test_prometheus_scrapes_the_metrics_endpoint(stack):
-    from kvstore.metrics_server import DEFAULT_PORT, DEFAULT_PORT_RANGE, ENV_HOST, ENV_PORT
+    from kvstore.metrics.server import DEFAULT_PORT, DEFAULT_PORT_RANGE, ENV_HOST, ENV_PORT
 
     services = _services(stack)
     vllm_env = services["vllm"]["environment"]
@@ -225,7 +227,7 @@ def test_dockerfile_targets_and_versions(stack):
     stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.M)
     assert {"cpu", "gpu"} <= set(stages) and vllm["build"]["target"] == "cpu"
     version = re.search(r"^ARG VLLM_VERSION=(\S+)", text, re.M).group(1)
-    connector = (ROOT / "connectors" / "vllm_v1.py").read_text()  # importing it would import vLLM
+    connector = (ROOT / "kvstore" / "connectors" / "vllm" / "facts.py").read_text()  # importing it would import vLLM
     assert 'SUPPORTED_VLLM = (">=0.32", "<0.33")' in connector
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
@@ -238,7 +240,7 @@ def test_dockerfile_targets_and_versions(stack):
     for src in re.findall(r"^COPY (?!--from)(.+) /src", text, re.M):
         for path in src.split():
             assert (ROOT / path).exists(), f"Dockerfile copies {path}, which is not in the repository"
-    from kvstore.metrics_server import DEFAULT_PORT
+    from kvstore.metrics.server import DEFAULT_PORT
 
     assert re.search(rf"KVSTORE_METRICS_PORT={DEFAULT_PORT}\b", text)
     assert (ROOT / "docker" / "Dockerfile.dockerignore").exists()
@@ -260,14 +262,14 @@ def test_metrics_hook_serves_from_connector_processes_only(tmp_path):
     import subprocess
     import sys
 
-    from kvstore.metrics_server import start_metrics_server
+    from kvstore.metrics.server import start_metrics_server
 
     probe = start_metrics_server(0)  # find a free port, then free it for the child
     port = probe.port
     probe.close()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "docker"), str(ROOT)]),
            "KVSTORE_METRICS_PORT": str(port), "KVSTORE_METRICS_PORT_RANGE": "1"}
-    script = """
+    script = f"""
 import socket, sys, urllib.request
 import kvstore_metrics_hook  # what the .pth line does at start-up
 import kvstore.metrics
@@ -278,9 +280,9 @@ def serving():
     except OSError:
         return False
 before = serving()
-import connectors.vllm_config
+import kvstore.connectors.vllm.options
 print(before, serving())
-""".format(port=port)
+"""
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True"]

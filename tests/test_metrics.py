@@ -9,10 +9,11 @@ import urllib.request
 import numpy as np
 import pytest
 
+import kvstore
 from kvstore import ConfigError, open_store
 from kvstore.keys import Namespace
 from kvstore.metrics import REGISTRY, Registry
-from kvstore.metrics_server import CONTENT_TYPE, start_metrics_server
+from kvstore.metrics.server import CONTENT_TYPE, start_metrics_server
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
@@ -72,7 +73,7 @@ def test_endpoint_serves_counters_that_move(server):
     for op in ("lookup", "load", "save"):
         assert delta(f'kvstore_op_seconds_count{{op="{op}"}}') >= 1
         assert f'kvstore_op_seconds_bucket{{op="{op}",le="+Inf"}}' in after
-    assert after['kvstore_info{version="0.1.0",format_version="1"}'] == 1
+    assert after[f'kvstore_info{{version="{kvstore.__version__}",format_version="1"}}'] == 1
 
 
 def test_every_documented_family_is_registered():
@@ -101,7 +102,7 @@ def test_tiered_store_metrics_move_when_a_tier_is_down(server):
     try:
         cache = PrefixCache(store, ns)
         keys = cache.keys(tokens)
-        for i in range(3):
+        for _ in range(3):
             cache.save(tokens, keys, lambda c: ChunkPayload(shapes=[(c.num_tokens, 4)],
                                                             kv=np.zeros((c.num_tokens, 4), np.float16)))
             store.flush(timeout=5)
@@ -147,7 +148,7 @@ def test_custom_registry():
 
 
 def test_start_from_env_takes_the_next_free_port():
-    import kvstore.metrics_server as ms
+    import kvstore.metrics.server as ms
 
     first = start_metrics_server(0)
     saved = ms._env_server

@@ -8,8 +8,17 @@ import torch
 
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
-from kvstore.paged import (BHNCLayout, CPUPackedLayout, FlashLayout, KVTransfer, MLALayout, StagingPool,
-                           dtype_name, get_layout, slots_from_block_table)
+from kvstore.paged import (
+    BHNCLayout,
+    CPUPackedLayout,
+    FlashLayout,
+    KVTransfer,
+    MLALayout,
+    StagingPool,
+    dtype_name,
+    get_layout,
+    slots_from_block_table,
+)
 from kvstore.prefix_cache import PrefixCache
 from kvstore.stores.memory import MemoryStore
 

@@ -9,14 +9,14 @@ import zlib
 import msgpack
 import numpy as np
 import pytest
+from golden_records import CASES, FIXTURES, case_inputs, encode_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from golden_records import CASES, FIXTURES, case_inputs, encode_case
 from kvstore import CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record, read_header
-from kvstore.codecs import CHAINS, resolve_chain
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.record import DTYPES, FRAME_BYTES, MAGIC
+from kvstore.record.codecs import CHAINS, resolve_chain
 
 NS = Namespace(model="m", kv_dtype="bfloat16", layout="t", block_size=4, chunk_tokens=8, layer_end=2)
 

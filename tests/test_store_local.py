@@ -8,7 +8,6 @@ import os
 import pytest
 
 from kvstore import ConfigError, open_store
-from kvstore.stores.file import FileStore
 from kvstore.stores.memory import MemoryStore
 from kvstore.testing.store_tests import StoreTests
 

@@ -71,12 +71,12 @@ def test_large_record_from_memoryview_without_copy(redis_server):
 
 
 def test_packer_sends_large_values_as_the_callers_buffer():
-    from kvstore.stores.redis import _ZeroCopyPacker
+    from kvstore.stores.redis.hooks import ZeroCopyPacker
 
     value = memoryview(bytearray(1 << 20))
-    packed = _ZeroCopyPacker(6000, lambda v: v if not isinstance(v, str) else v.encode()).pack("SET", "k", value)
+    packed = ZeroCopyPacker(6000, lambda v: v if not isinstance(v, str) else v.encode()).pack("SET", "k", value)
     assert any(piece is value for piece in packed)  # no join, no copy
-    small = _ZeroCopyPacker(6000, lambda v: v.encode() if isinstance(v, str) else v).pack("CLUSTER SLOTS")
+    small = ZeroCopyPacker(6000, lambda v: v.encode() if isinstance(v, str) else v).pack("CLUSTER SLOTS")
     assert b"".join(bytes(p) for p in small) == b"*2\r\n$7\r\nCLUSTER\r\n$5\r\nSLOTS\r\n"
 
 

@@ -13,9 +13,9 @@ from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.metrics import REGISTRY
 from kvstore.stores import open_store
 from kvstore.stores.base import Store
-from kvstore.stores.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvstore.stores.memory import MemoryStore
 from kvstore.stores.tiered import TieredStore
+from kvstore.stores.tiered.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from kvstore.testing.store_tests import StoreTests
 
 
@@ -61,6 +61,16 @@ def redis_server_client(store):
     return redis.Redis(port=store.tiers[0].store.config.hosts[0][1])
 
 
+def wait_until(check, timeout: float = 10.0) -> bool:
+    """Poll ``check`` until it holds (a condition to reach, not a delay to sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.005)
+    return False
+
+
 class SlowStore(MemoryStore):
     """A shared (non-local) tier that takes ``delay`` seconds per write: fills the queue."""
 
@@ -72,8 +82,12 @@ class SlowStore(MemoryStore):
         self.gate = threading.Event()
         self.gate.set()
 
+        self.gate_waiters = 0
+
     def put(self, key, value):
+        self.gate_waiters += 1
         self.gate.wait(10)
+        self.gate_waiters -= 1
         time.sleep(self.delay)
         super().put(key, value)
 
@@ -166,11 +180,11 @@ def test_full_queue_drops_and_counts_without_blocking(caplog):
     drops = REGISTRY.counter("kvstore_write_drops_total", "", ("tier", "reason"))
     before = drops.value(tier="slow", reason="queue_full")
     try:
+        store.put("k0", b"x" * 100)
+        assert wait_until(lambda: slow.gate_waiters > 0)  # the writer holds k0 and waits: the queue stays full
         with caplog.at_level(logging.WARNING, logger="kvstore.stores"):
-            start = time.monotonic()
-            for i in range(50):
-                store.put(f"k{i}", b"x" * 100)
-            assert time.monotonic() - start < 1.0  # never blocks
+            for i in range(1, 50):
+                store.put(f"k{i}", b"x" * 100)  # never blocks: a full queue drops
         stats = store.stats()["tiers"][0]
         assert stats["dropped"] >= 40 and drops.value(tier="slow", reason="queue_full") - before == stats["dropped"]
         assert len([r for r in caplog.records if "queue full" in r.message]) == 1  # one line, not fifty
@@ -186,7 +200,7 @@ def test_queue_coalesces_writes_of_one_key_and_bounds_bytes():
     store = TieredStore([slow], queue_bytes="1KiB")
     try:
         store.put("first", b"x")  # the writer takes it and blocks on the gate
-        time.sleep(0.1)
+        assert wait_until(lambda: slow.gate_waiters > 0)
         for i in range(5):
             store.put("same", bytes([i]) * 100)
         store.put("big", b"y" * 2000)  # would pass queue_bytes: dropped
@@ -201,7 +215,8 @@ def test_queue_coalesces_writes_of_one_key_and_bounds_bytes():
 def test_breaker_skips_a_failing_tier_logs_once_and_resumes(caplog):
     broken = BrokenStore()
     mem = MemoryStore()
-    store = TieredStore([mem, broken], breaker_failures=2, breaker_cooldown="100ms")
+    now = [0.0]
+    store = TieredStore([mem, broken], breaker_failures=2, breaker_cooldown="100ms", clock=lambda: now[0])
     try:
         with caplog.at_level(logging.INFO, logger="kvstore.stores"):
             for i in range(20):
@@ -210,7 +225,8 @@ def test_breaker_skips_a_failing_tier_logs_once_and_resumes(caplog):
             assert store.stats()["tiers"][1]["state"] == OPEN
             broken.up = True
             broken.inner.put("there", b"v")
-            time.sleep(0.15)
+            assert store.get("there") is None  # still skipped within the cooldown
+            now[0] += 0.1
             assert store.get("there") == b"v"  # the half-open probe succeeds
             assert store.stats()["tiers"][1]["state"] == CLOSED
         lines = [r for r in caplog.records if "tier broken" in r.message and r.levelno >= logging.INFO]
@@ -245,7 +261,7 @@ def test_delete_withdraws_queued_writes():
     store = TieredStore([slow])
     try:
         store.put("a", b"1")
-        time.sleep(0.05)  # "a" is in flight, blocked
+        assert wait_until(lambda: slow.gate_waiters > 0)  # "a" is in flight, blocked
         store.put("b", b"2")  # queued
         threading.Timer(0.2, slow.gate.set).start()
         assert store.delete_many(["a", "b"]) == 2
@@ -260,9 +276,9 @@ def test_close_drains_with_a_bound():
     slow.gate.clear()
     store = TieredStore([slow])
     store.put_many([(f"k{i}", b"v") for i in range(3)])
-    start = time.monotonic()
-    store.close(timeout=0.3)
-    assert time.monotonic() - start < 1.5
+    assert wait_until(lambda: slow.gate_waiters > 0)
+    store.close(timeout=0.3)  # returns although the writer is stuck (a hang here fails the run)
+    assert store.flush(0) is False  # the stuck batch is still in flight: close did not wait for it
     slow.gate.set()
 
 

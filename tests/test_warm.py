@@ -9,7 +9,6 @@ serves the reference engine with the agent connector, so it exercises the real s
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
@@ -51,8 +50,8 @@ def _console() -> list[str]:
 
 def _fresh_engine(store_url: str):
     """A new reference engine + agent over ``store_url``, as a serving replica would build it."""
-    from connectors.agent import AgentConfig, KVStoreAgent
-    from kvstore.engine import PRESETS, ModelRunner
+    from kvstore.connectors.agent import AgentConfig, KVStoreAgent
+    from kvstore.testing.engine import PRESETS, ModelRunner
 
     cfg = PRESETS["tiny"]
     agent = KVStoreAgent(AgentConfig(store=(store_url,), model=cfg.name, model_fingerprint=cfg.fingerprint))
@@ -60,7 +59,7 @@ def _fresh_engine(store_url: str):
 
 
 def _assert_fresh_engine_hits(store_url: str, prompts: list[list[int]]) -> None:
-    from kvstore.engine import PRESETS, ModelRunner
+    from kvstore.testing.engine import PRESETS, ModelRunner
 
     runner, agent = _fresh_engine(store_url)
     plain = ModelRunner(PRESETS["tiny"])
@@ -257,13 +256,13 @@ class _ReferenceOpenAIServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 if self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": outer.model_name, "object": "model"}]})
                 else:
                     self._send(404, {"error": {"message": "not found"}})
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if self.path != "/v1/completions" or body.get("model") != outer.model_name:
                     self._send(404, {"error": {"message": f"model {body.get('model')} not served"}})

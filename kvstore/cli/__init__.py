@@ -10,48 +10,21 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
-import re
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
+from kvstore.cli.common import ENV_STORE, default_store_urls
 from kvstore.errors import KVStoreError
+
+__all__ = ["main", "build_parser", "ENV_STORE", "default_store_urls"]
 
 COMMANDS = (
     "kvstore.cli.selftest",
-    "kvstore.cli.admin",
+    "kvstore.cli.browse",
+    "kvstore.cli.clean",
     "kvstore.cli.warm",
     "kvstore.cli.demo",
 )
-
-#: Default store for every command: the ``KVSTORE_STORE`` environment variable (URLs separated by
-#: spaces or commas, fastest tier first), else a file store in the user's cache directory.
-ENV_STORE = "KVSTORE_STORE"
-
-
-# A comma separates URLs only where a new URL (a scheme) follows: a cluster URL lists its
-# nodes with commas (redis+cluster://h1:7000,h2:7001).
-_URL_SEPARATOR = re.compile(r"\s+|,\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
-
-
-def default_store_urls() -> list[str]:
-    env = [u for u in _URL_SEPARATOR.split(os.environ.get(ENV_STORE, "").strip()) if u]
-    if env:
-        return env
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return [f"file://{os.path.join(cache, 'kvstore')}"]
-
-
-def add_store_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--store", action="append", metavar="URL", default=None,
-        help=f"store URL; repeat for tiers, fastest first (default: ${ENV_STORE} or a file store "
-             f"in ~/.cache/kvstore)",
-    )
-
-
-def store_urls(args: argparse.Namespace) -> list[str]:
-    return args.store or default_store_urls()
 
 
 def build_parser() -> argparse.ArgumentParser:

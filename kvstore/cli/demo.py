@@ -2,7 +2,7 @@
 the prefix the first computed.
 
 Each replica is a separate process (spawn) running the reference engine behind the agent API
-(``connectors.agent.KVStoreAgent``). Replica 1 sees the prompt first: it computes the whole
+(``kvstore.connectors.agent.KVStoreAgent``). Replica 1 sees the prompt first: it computes the whole
 prefill and stores the KV. Replica 2 gets the same prompt: it loads the stored KV, skips the
 prefill, and must produce the same tokens. The default store is a fresh ``file://`` store in a
 temporary directory (removed after); ``--store URL`` (repeatable, fastest tier first) uses
@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any
 
-from kvstore.cli import add_store_option
+from kvstore.cli.common import add_store_option
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,8 +40,8 @@ def _replica(name: str, urls: list[str], salt: str, preset: str, prompt: list[in
     try:
         import torch
 
-        from connectors.agent import KVStoreAgent
-        from kvstore.engine import PRESETS, ModelRunner
+        from kvstore.connectors.agent import KVStoreAgent
+        from kvstore.testing.engine import PRESETS, ModelRunner
 
         torch.manual_seed(0)
         cfg = PRESETS[preset]
@@ -58,7 +58,7 @@ def _replica(name: str, urls: list[str], salt: str, preset: str, prompt: list[in
         agent.close()  # waits for background writes to remote tiers
         out.put(dict(name=name, ok=True, tokens=res.tokens[0], loaded=res.tokens_loaded, computed=res.tokens_computed,
                      ttft=res.ttft_s, bypassed=res.bypassed, flush=time.perf_counter() - t0))
-    except BaseException as exc:  # report, so the parent can print one clear line
+    except BaseException as exc:  # noqa: BLE001 - report, so the parent can print one clear line
         out.put(dict(name=name, ok=False, error=f"{type(exc).__name__}: {exc}"))
 
 
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         urls = [f"file://{tmp}"]
     salt = uuid.uuid4().hex  # a fresh namespace: replica 1 always starts cold
     rng = random.Random(1234)
-    from kvstore.engine import PRESETS
+    from kvstore.testing.engine import PRESETS
 
     if args.model not in PRESETS:
         print(f"kvstore demo: error: --model {args.model!r}; accepted: {', '.join(PRESETS)}")

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from kvstore.cli import add_store_option, store_urls
+from kvstore.cli.common import add_store_option, store_urls
 from kvstore.keys import Namespace
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.stores import open_store

@@ -16,9 +16,10 @@ import json
 import logging
 import os
 import sys
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
-from kvstore.cli import add_store_option, store_urls
+from kvstore.cli.common import add_store_option, store_urls
 from kvstore.errors import ConfigError
 from kvstore.warm import Tokenizer, WarmEngine, WarmSummary, iter_prompts, warm
 
@@ -78,7 +79,7 @@ def _json_option(text: str | None, name: str) -> dict:
 def build_engine(args: argparse.Namespace) -> WarmEngine:
     """The engine the options ask for (ConfigError for missing or contradictory options)."""
     if args.engine == "server":
-        from kvstore.warm import ServerWarmEngine
+        from kvstore.warm.server import ServerWarmEngine
 
         if not args.url:
             raise ConfigError("--engine server needs --url http://host:port of a vLLM OpenAI-compatible server")
@@ -88,11 +89,11 @@ def build_engine(args: argparse.Namespace) -> WarmEngine:
     if args.url:
         raise ConfigError(f"--url is only for --engine server (this run uses --engine {args.engine})")
     if args.engine == "reference":
-        from kvstore.warm import ReferenceWarmEngine
+        from kvstore.warm.reference import ReferenceWarmEngine
 
         return ReferenceWarmEngine(store_urls(args), preset=args.preset, chunk_tokens=args.chunk_tokens,
                                    codec=args.codec or "raw")
-    from kvstore.warm import VLLMWarmEngine
+    from kvstore.warm.vllm import VLLMWarmEngine
 
     if not args.model:
         raise ConfigError("--engine vllm needs --model DIR (a local model directory)")
@@ -125,7 +126,7 @@ def count_lines(path: str) -> int | None:
 
 
 def format_summary(s: WarmSummary, engine: dict) -> str:
-    from kvstore.cli.admin import human_bytes
+    from kvstore.cli.tiers import human_bytes
 
     d = s.to_dict()
     lines = [
@@ -145,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-failures {args.max_failures} must be at least 1")
     tokenizer = Tokenizer(args.tokenizer, add_special_tokens=not args.no_special_tokens) if args.tokenizer else None
     if args.metrics_port is not None:
-        from kvstore.metrics_server import start_metrics_server
+        from kvstore.metrics.server import start_metrics_server
 
         server = start_metrics_server(args.metrics_port)
         print(f"kvstore warm: metrics at {server.url}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""The store contract.
+"""The store contract, and ``WrapperStore`` for stores that delegate to another.
 
 A store maps string keys to immutable byte values. Backends implement five methods
 (``get``, ``put``, ``delete``, ``iter_keys`` and ``close``); everything else has a default built
@@ -12,29 +12,36 @@ Contract, for every backend:
 * An outage (unreachable, timed out) raises ``StoreUnavailableError``; a miss is never an
   exception. Bad configuration raises ``ConfigError`` when the store is built.
 * Values are copied or sent before ``put`` returns: callers may reuse their buffers.
+* ``deadline`` bounds how long one call may block on a remote server (``None``: the store does
+  no network I/O); ``flush`` waits, at most ``timeout``, for writes accepted but not yet
+  durable in the backend (background queues) and says whether they all landed.
 * Stores are thread-safe.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Iterable, Iterator, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
-Buffer = Union[bytes, bytearray, memoryview]
+from kvstore.types import Buffer
+
+__all__ = ["Buffer", "Store", "WrapperStore", "Value"]
+
+#: What ``get`` returns for a hit: the value's bytes (a view of a buffer the caller now owns).
+Value = bytes | memoryview
 
 
 class Store(ABC):
     """A key-value store of byte values. See the module docstring for the contract."""
 
-    #: URL schemes this backend serves (``memory``, ``redis``...), used by ``open_store``.
-    schemes: ClassVar[tuple[str, ...]] = ()
     #: True for stores private to this machine (memory, file): the tiered store writes them
     #: synchronously; shared remote tiers are written in the background.
-    is_local: ClassVar[bool] = False
+    is_local: bool = False
 
     # -- the small contract -------------------------------------------------------------------
     @abstractmethod
-    def get(self, key: str) -> bytes | memoryview | None:
+    def get(self, key: str) -> Value | None:
         """The value stored under ``key``, or ``None`` if there is none."""
 
     @abstractmethod
@@ -53,13 +60,22 @@ class Store(ABC):
         """Release connections and threads. The store must not be used afterwards."""
 
     # -- defaults built on the small contract -------------------------------------------------
+    @property
+    def deadline(self) -> float | None:
+        """Seconds one call may block on a server at most (``None``: no network I/O)."""
+        return None
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait at most ``timeout`` for accepted writes to land; True if none is left pending."""
+        return True
+
     def exists(self, key: str) -> bool:
         return self.get(key) is not None
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [self.exists(k) for k in keys]
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | memoryview | None]:
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return [self.get(k) for k in keys]
 
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
@@ -88,7 +104,7 @@ class Store(ABC):
         """A JSON-able description for logs and tools; never contains secrets."""
         return {"store": type(self).__name__}
 
-    def __enter__(self) -> "Store":
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -96,3 +112,61 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
+
+
+class WrapperStore(Store):
+    """A store that forwards every operation to ``inner``; subclasses override what they add.
+
+    Every method of the contract, the batch forms included, is forwarded as it is, so a wrapper
+    keeps the inner store's optimisations (pipelines, parallel requests) and its ``is_local``.
+    """
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.is_local = inner.is_local
+
+    @property
+    def deadline(self) -> float | None:
+        return self.inner.deadline
+
+    def get(self, key: str) -> Value | None:
+        return self.inner.get(key)
+
+    def put(self, key: str, value: Buffer) -> None:
+        self.inner.put(key, value)
+
+    def delete(self, key: str) -> bool:
+        return self.inner.delete(key)
+
+    def iter_keys(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.iter_keys(prefix)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        return self.inner.flush(timeout)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return self.inner.exists_many(keys)
+
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
+        return self.inner.get_many(keys)
+
+    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
+        self.inner.put_many(items)
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        return self.inner.delete_many(keys)
+
+    def longest_prefix(self, keys: Sequence[str]) -> int:
+        return self.inner.longest_prefix(keys)
+
+    def size_many(self, keys: Sequence[str]) -> list[int | None]:
+        return self.inner.size_many(keys)
+
+    def describe(self) -> dict[str, Any]:
+        return self.inner.describe()

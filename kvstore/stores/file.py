@@ -17,13 +17,15 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 from kvstore.config import build, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.metrics.catalog import EVICTIONS
 from kvstore.stores.base import Buffer, Store
 
 _STALE_TMP_SECONDS = 3600.0
@@ -41,7 +43,7 @@ class FileConfig:
             raise ConfigError(f"low_water={self.low_water} must be in (0, 1]")
 
     @classmethod
-    def from_url(cls, url: str) -> "FileConfig":
+    def from_url(cls, url: str) -> FileConfig:
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
             raise ConfigError(f"file:// URLs take an absolute path (file:///var/cache/kv), got host {parts.netloc!r}")
@@ -52,7 +54,6 @@ class FileConfig:
 
 
 class FileStore(Store):
-    schemes = ("file",)
     is_local = True
     Config = FileConfig
 
@@ -67,10 +68,9 @@ class FileStore(Store):
         except OSError as exc:
             raise ConfigError(f"file store path {config.path!r} is not usable: {exc}") from exc
         self._lock = threading.Lock()
-        self.evictions = 0
 
     @classmethod
-    def from_url(cls, url: str) -> "FileStore":
+    def from_url(cls, url: str) -> FileStore:
         return cls(FileConfig.from_url(url))
 
     def _path(self, key: str) -> Path:
@@ -212,7 +212,7 @@ class FileStore(Store):
                 try:
                     os.unlink(path)
                     freed += size
-                    self.evictions += 1
+                    EVICTIONS.inc(store="file")
                 except FileNotFoundError:
                     pass
             now = time.time()

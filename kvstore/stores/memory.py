@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvstore.config import build, option, query_options
 from kvstore.errors import ConfigError
+from kvstore.metrics.catalog import EVICTIONS
 from kvstore.stores.base import Buffer, Store
 
 
@@ -22,7 +24,7 @@ class MemoryConfig:
     max_bytes: int = option(1 << 30, kind="size", help="Capacity; least recently used values are evicted beyond it.")
 
     @classmethod
-    def from_url(cls, url: str) -> "MemoryConfig":
+    def from_url(cls, url: str) -> MemoryConfig:
         parts = urlsplit(url)
         if parts.netloc or parts.path not in ("", "/"):
             raise ConfigError(f"memory:// takes no host or path, got {url!r}; use memory://?max_bytes=8GiB")
@@ -30,7 +32,6 @@ class MemoryConfig:
 
 
 class MemoryStore(Store):
-    schemes = ("memory",)
     is_local = True
     Config = MemoryConfig
 
@@ -39,10 +40,9 @@ class MemoryStore(Store):
         self._data: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        self.evictions = 0
 
     @classmethod
-    def from_url(cls, url: str) -> "MemoryStore":
+    def from_url(cls, url: str) -> MemoryStore:
         return cls(MemoryConfig.from_url(url))
 
     @property
@@ -72,7 +72,7 @@ class MemoryStore(Store):
             while self._data and self._bytes + size > self.config.max_bytes:
                 _, evicted = self._data.popitem(last=False)
                 self._bytes -= len(evicted)
-                self.evictions += 1
+                EVICTIONS.inc(store="memory")
             self._data[key] = data
             self._bytes += size
 

@@ -20,9 +20,10 @@ URL: ``s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000&region=us-east-1&ma
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import boto3
@@ -67,7 +68,7 @@ class S3Config:
             raise ConfigError(f"endpoint_url={self.endpoint_url!r} must be an http:// or https:// URL")
 
     @classmethod
-    def from_url(cls, url: str) -> "S3Config":
+    def from_url(cls, url: str) -> S3Config:
         parts = urlsplit(url)
         if parts.scheme.lower() != "s3":
             raise ConfigError(f"{redact_url(url)!r} is not an s3:// URL")
@@ -104,7 +105,6 @@ def _body(value: Buffer) -> bytes | bytearray:
 class S3Store(Store):
     """Objects in an S3 bucket under a prefix. See the module docstring for the contract."""
 
-    schemes = ("s3",)
     is_local = False
     Config = S3Config
 
@@ -134,7 +134,7 @@ class S3Store(Store):
         self._pool_lock = threading.Lock()
 
     @classmethod
-    def from_url(cls, url: str) -> "S3Store":
+    def from_url(cls, url: str) -> S3Store:
         return cls(S3Config.from_url(url))
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -255,6 +255,11 @@ class S3Store(Store):
         if pool is not None:
             pool.shutdown(wait=True)
         self._client.close()
+
+    @property
+    def deadline(self) -> float:
+        c = self.config
+        return (c.connect_timeout + c.timeout) * (1 + c.retries)
 
     def describe(self) -> dict[str, Any]:
         c = self.config

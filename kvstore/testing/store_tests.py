@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import threading
 
-import pytest
-
 from kvstore.stores.base import Store
 
 

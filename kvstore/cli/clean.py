@@ -1,0 +1,194 @@
+"""Cleaning stores: ``kvstore rm`` (a namespace or given keys) and ``kvstore gc`` (expired,
+old-format, undecodable or misplaced records).
+
+Keys of another shape than kvstore's belong to someone else and are never changed. ``rm``
+without ``--yes`` only reports and exits 1; ``gc --dry-run`` reports what would go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvstore.cli import tiers as tier_io
+from kvstore.cli.tiers import (
+    BATCH_KEYS,
+    Tier,
+    add_common_options,
+    batched,
+    emit_json,
+    human_bytes,
+    iter_tier_keys,
+    open_tiers,
+    unavailable_as_error,
+)
+from kvstore.config import parse_duration
+from kvstore.errors import ConfigError, CorruptRecordError
+from kvstore.keys import FORMAT_VERSION, namespace_prefix, split_key
+from kvstore.record import decode_record, read_header
+
+
+# -- rm -------------------------------------------------------------------------------------------
+def cmd_rm(args: argparse.Namespace) -> int:
+    if not args.namespace and not args.keys:
+        raise ConfigError("kvstore rm needs --namespace ID or one or more KEYs")
+    prefix = namespace_prefix(args.namespace) if args.namespace else None
+    report = []
+    with open_tiers(args) as tiers:
+        for tier in tiers:
+            records = nbytes = removed = 0
+            candidates: Iterable[str] = list(args.keys)
+            if prefix is not None:
+                candidates = _chain(candidates, iter_tier_keys(tier, prefix))
+            for batch in batched(candidates, BATCH_KEYS):
+                sizes = tier_io.sizes(tier, batch)
+                present = [k for k, s in zip(batch, sizes) if s is not None]
+                records += len(present)
+                nbytes += sum(s for s in sizes if s is not None)
+                if args.yes and present:
+                    with unavailable_as_error(tier.name):
+                        removed += tier.store.delete_many(present)
+            report.append({"tier": tier.name, "records": records, "bytes": nbytes, "removed": removed})
+    what = f"namespace {prefix.rstrip('/')}" if prefix else f"{len(args.keys)} key(s)"
+    if args.json:
+        emit_json({"target": what, "removed": bool(args.yes), "tiers": report})
+    else:
+        verb = "removed" if args.yes else "would remove"
+        for r in report:
+            n = r["removed"] if args.yes else r["records"]
+            print(f"{r['tier']}: {verb} {n} records ({human_bytes(r['bytes'])}) of {what}")
+    if not args.yes:
+        if any(r["records"] for r in report):
+            print("kvstore rm: nothing removed; pass --yes to remove these records", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _chain(*iterables: Iterable[str]) -> Iterator[str]:
+    for it in iterables:
+        yield from it
+
+
+# -- gc -------------------------------------------------------------------------------------------
+@dataclass
+class GcTally:
+    tier: str
+    scanned: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
+    removed: dict[str, int] = field(default_factory=dict)
+    removed_bytes: int = 0
+    newer_version: int = 0
+    foreign_keys: int = 0
+
+    def drop(self, reason: str, size: int) -> None:
+        self.removed[reason] = self.removed.get(reason, 0) + 1
+        self.removed_bytes += size
+
+
+def gc_verdict(key: str, value: bytes | memoryview, *, now: float, older_than: float | None,
+               verify: bool) -> str | None:
+    """Why record ``key`` should go (``expired``, ``undecodable:<reason>``, ``mismatch``), or ``None``."""
+    parts = split_key(key)
+    assert parts is not None
+    try:
+        header = read_header(value)
+        if verify:
+            decode_record(value)
+    except CorruptRecordError as exc:
+        return f"undecodable:{exc.reason}"
+    if header.namespace[:8].hex() != parts[1] or header.key.hex() != parts[2]:
+        return "mismatch"
+    if older_than is not None and now - header.created > older_than:
+        return "expired"
+    return None
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    older_than = parse_duration(args.older_than, name="--older-than") if args.older_than else None
+    if args.batch < 1:
+        raise ConfigError(f"--batch {args.batch} must be at least 1")
+    prefix = namespace_prefix(args.namespace) if args.namespace else "kvs"
+    now = time.time()
+    tallies: list[GcTally] = []
+    with open_tiers(args) as tiers:
+        for tier in tiers:
+            t = GcTally(tier.name)
+            tallies.append(t)
+            doomed: list[str] = []
+            for batch in batched(iter_tier_keys(tier, prefix), args.batch):
+                current: list[str] = []
+                for key in batch:
+                    parts = split_key(key)
+                    if parts is None:
+                        t.foreign_keys += 1
+                    elif parts[0] < FORMAT_VERSION:
+                        current.append(key)  # read below only for its size
+                    elif parts[0] > FORMAT_VERSION:
+                        t.newer_version += 1  # written by a newer build: not ours to judge
+                    else:
+                        current.append(key)
+                if not current:
+                    continue
+                with unavailable_as_error(tier.name):
+                    values = tier.store.get_many(current)
+                for key, value in zip(current, values):
+                    if value is None:
+                        continue
+                    t.scanned += 1
+                    if split_key(key)[0] < FORMAT_VERSION:  # type: ignore[index]
+                        verdict: str | None = "old-version"
+                    else:
+                        verdict = gc_verdict(key, value, now=now, older_than=older_than, verify=args.verify)
+                    if verdict is None:
+                        t.kept += 1
+                        t.kept_bytes += len(value)
+                    else:
+                        t.drop(verdict, len(value))
+                        doomed.append(key)
+                del values
+                if len(doomed) >= BATCH_KEYS:
+                    _delete(tier, doomed, args.dry_run)
+                    doomed = []
+            _delete(tier, doomed, args.dry_run)
+    if args.json:
+        emit_json({"dry_run": args.dry_run, "older_than_seconds": older_than,
+                   "tiers": [vars(t) for t in tallies]})
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for t in tallies:
+        reasons = ", ".join(f"{n} {r}" for r, n in sorted(t.removed.items())) or "nothing"
+        total = sum(t.removed.values())
+        print(f"{t.tier}: scanned {t.scanned} records, {verb} {total} ({human_bytes(t.removed_bytes)}: "
+              f"{reasons}), kept {t.kept} ({human_bytes(t.kept_bytes)})")
+        if t.newer_version:
+            print(f"{t.tier}: left {t.newer_version} records of a newer format version alone")
+    return 0
+
+
+def _delete(tier: Tier, keys: list[str], dry_run: bool) -> None:
+    if keys and not dry_run:
+        with unavailable_as_error(tier.name):
+            tier.store.delete_many(keys)
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("rm", help="remove a namespace (or given keys) from every tier")
+    add_common_options(p)
+    p.add_argument("keys", nargs="*", metavar="KEY", help="record keys to remove")
+    p.add_argument("--namespace", metavar="ID", help="remove every record of this namespace")
+    p.add_argument("--yes", action="store_true", help="really remove (without it, only report what would go)")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("gc", help="remove expired, old-format or undecodable records")
+    add_common_options(p)
+    p.add_argument("--older-than", metavar="AGE", help="also remove records created longer ago than AGE (e.g. 7d, 12h)")
+    p.add_argument("--namespace", metavar="ID", help="only this namespace")
+    p.add_argument("--verify", action="store_true", help="also check every payload checksum (reads each record fully)")
+    p.add_argument("--dry-run", action="store_true", help="report what would be removed, remove nothing")
+    p.add_argument("--batch", type=int, default=16, metavar="N",
+                   help="records read per round trip (bounds memory: N x record size; default 16)")
+    p.set_defaults(func=cmd_gc)

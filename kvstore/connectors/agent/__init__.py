@@ -1,0 +1,21 @@
+"""The agent API (vLLM V0's KV-transfer agent contract): ``KVStoreAgent`` (``agent``), its
+options (``config``) and V0 batch handling (``batch``). ``config`` imports no torch; the other
+names are loaded on first use."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from kvstore.connectors.agent.config import AgentConfig
+
+_LAZY = {"KVStoreAgent": "agent", "AgentStats": "agent", "rebuild_model_input": "batch"}
+
+__all__ = ["AgentConfig", "AgentStats", "KVStoreAgent", "rebuild_model_input"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

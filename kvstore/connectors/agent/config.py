@@ -1,0 +1,83 @@
+"""Options of the agent API (``KVStoreAgent``), on the same option machinery as the stores.
+
+``AgentConfig(...)`` validates what it is given; ``AgentConfig.from_mapping(d)`` also converts
+strings (``"256"``, ``"true"``, a comma-separated URL list) and rejects unknown keys by name, so
+a V0-style ``kv_connector_extra_config`` can be passed as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstore.config import build, option, safe_repr
+from kvstore.connectors.roles import ROLE_NAMES, Role, parse_role
+from kvstore.errors import ConfigError
+from kvstore.record.codecs import CHAINS
+
+__all__ = ["AgentConfig"]
+
+_LAYOUT_NAMES = ("flash-2bnhd", "vllm-bhnc", "mla-bnl", "vllm-cpu-vec", "vllm-cpu-amx")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What a ``KVStoreAgent`` needs; see the configuration reference for every field."""
+
+    store: tuple[str, ...] = option(
+        (), kind="urls", help="Store URL or list of URLs, fastest tier first (several build a tiered store).")
+    model: str = option("", help="Model name in the key namespace.")
+    model_fingerprint: str = option(
+        "", help="A revision or hash of the weights and config: KV is shared only between equal "
+        "(model, model_fingerprint).")
+    chunk_tokens: int = option(256, help="Tokens per stored record; a positive multiple of the engine's block size.")
+    role: str = option("both", choices=ROLE_NAMES,
+                       help="`both` loads and saves, `producer` only saves, `consumer` only loads.")
+    rank: int = option(0, help="Tensor-parallel rank whose KV shard this engine holds (part of the namespace).")
+    tp_size: int = option(1, help="Tensor-parallel size (part of the namespace).")
+    local_rank: int = option(0, help="Accepted for vLLM V0 compatibility; not used by the agent.")
+    codec: str = option("raw", choices=tuple(CHAINS), help="Record codec.")
+    kv_layout: str = option(
+        "", choices=("", *_LAYOUT_NAMES),
+        help="`kvstore.paged` layout of the KV cache; empty infers it for 5-d (`flash-2bnhd`) and 3-d "
+        "(`mla-bnl`) caches; 4-d caches need it (`vllm-bhnc` or `vllm-cpu-vec`, which share a shape).")
+    adapter: str = option("", help="Adapter (LoRA) id, part of the namespace.")
+    cache_salt: str = option("", help="Tenant salt, part of the namespace: different salts never share records.")
+    store_options: Mapping[str, Any] = option(
+        factory=dict, help="Tiered store options (see [Tiered store](#tiered-store)).")
+
+    def __post_init__(self) -> None:
+        store = self.store
+        if isinstance(store, str):
+            store = (store,)
+        object.__setattr__(self, "store", tuple(store))
+        missing = [n for n in ("store", "model", "model_fingerprint") if not getattr(self, n)]
+        if missing:
+            raise ConfigError(
+                "the kvstore agent needs " + ", ".join(missing)
+                + " (store: a URL or list of URLs such as 'file:///tmp/kv' or 'redis://host:6379'; "
+                  "model and model_fingerprint: the model's name and a hash of its weights/config)")
+        object.__setattr__(self, "role", parse_role(self.role).name)
+        for name in ("chunk_tokens", "tp_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if type(self.rank) is not int or not 0 <= self.rank < self.tp_size:
+            raise ConfigError(f"rank={self.rank!r} must be an integer in [0, tp_size={self.tp_size})")
+        if self.kv_layout not in ("", *_LAYOUT_NAMES):
+            raise ConfigError(f"kv_layout={self.kv_layout!r}; accepted: {', '.join(_LAYOUT_NAMES)}")
+        if self.codec not in CHAINS:
+            raise ConfigError(f"codec={self.codec!r}; accepted: {', '.join(CHAINS)}")
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> AgentConfig:
+        """Build from a dict (raw strings or values), rejecting unknown keys by name."""
+        return build(cls, options, where="the kvstore agent's options")
+
+    def __repr__(self) -> str:  # store URLs may carry a password
+        return safe_repr(self)
+
+    @property
+    def parsed_role(self) -> Role:
+        return parse_role(self.role)

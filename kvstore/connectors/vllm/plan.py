@@ -1,0 +1,48 @@
+"""The connector's arithmetic over token counts and block ids: pure functions, unit-tested
+without an engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["lookup_limit", "external_tokens", "save_ends", "failed_blocks", "blocks_for"]
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens (the last one possibly partly filled)."""
+    return -(-num_tokens // block_size)
+
+
+def lookup_limit(num_tokens: int, block_size: int) -> int:
+    """Tokens a hit may cover: whole blocks, leaving at least one token for vLLM to compute."""
+    return max(0, (num_tokens - 1) // block_size * block_size)
+
+
+def external_tokens(hit_tokens: int, num_computed_tokens: int, min_load_tokens: int = 0) -> int:
+    """Tokens to load beyond vLLM's local hit, or 0 when the store adds nothing worth loading."""
+    extra = hit_tokens - num_computed_tokens
+    return extra if extra > 0 and extra >= min_load_tokens else 0
+
+
+def save_ends(num_prompt_tokens: int, computed_after_step: int, saved_upto: int, *,
+              chunk_tokens: int, block_size: int, save_partial: bool) -> list[int]:
+    """Prefix lengths to save after a step that leaves ``computed_after_step`` tokens computed.
+
+    Whole chunks of the prompt as they complete; and, once the prompt's last whole block that
+    a lookup may cover (``lookup_limit``) is computed, that prefix too (its final chunk is
+    partial), so the same prompt hits up to there. Only ends beyond ``saved_upto``.
+    """
+    computed = min(computed_after_step, num_prompt_tokens)
+    ends = []
+    full = computed // chunk_tokens * chunk_tokens
+    if full > saved_upto:
+        ends.append(full)
+    limit = lookup_limit(num_prompt_tokens, block_size)
+    if save_partial and limit % chunk_tokens and computed >= limit and limit > saved_upto:
+        ends.append(limit)
+    return sorted(ends)
+
+
+def failed_blocks(block_ids: Sequence[int], block_size: int, present: int, end: int) -> list[int]:
+    """Blocks vLLM counts as loaded (up to ``end``) that hold no verified KV (from ``present``)."""
+    return list(block_ids[present // block_size:blocks_for(end, block_size)])

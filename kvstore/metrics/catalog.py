@@ -1,0 +1,66 @@
+"""Every metric kvstore publishes, in one place (names, help texts and label names).
+
+Modules import the metric objects from here instead of declaring their own, so the set of
+names a dashboard may query is this file. Label values are small fixed sets (tier names,
+operations, reasons), never keys or request ids.
+"""
+
+from __future__ import annotations
+
+from kvstore.metrics.registry import REGISTRY
+
+__all__ = [
+    "LOOKUPS",
+    "LOOKUP_HIT_TOKENS",
+    "LOOKUP_TOKENS",
+    "HITS",
+    "MISSES",
+    "TOKENS_LOADED",
+    "TOKENS_SAVED",
+    "CORRUPT",
+    "LATENCY",
+    "BYTES_READ",
+    "BYTES_WRITTEN",
+    "ERRORS",
+    "TIER_STATE",
+    "TIER_TRIPS",
+    "QUEUE_ITEMS",
+    "QUEUE_BYTES",
+    "EVICTIONS",
+    "WRITE_DROPS",
+    "WARM_PROMPTS",
+    "INFO",
+]
+
+# -- prefix cache: lookups, loads, saves ---------------------------------------------------------
+LOOKUPS = REGISTRY.counter("kvstore_lookups_total", "Prefix lookups.")
+LOOKUP_HIT_TOKENS = REGISTRY.counter("kvstore_lookup_hit_tokens_total", "Tokens found stored by lookups.")
+LOOKUP_TOKENS = REGISTRY.counter("kvstore_lookup_tokens_total", "Tokens asked for by lookups.")
+HITS = REGISTRY.counter("kvstore_hits_total", "Chunks loaded and verified.")
+MISSES = REGISTRY.counter("kvstore_misses_total", "Chunks looked up but not loaded.")
+TOKENS_LOADED = REGISTRY.counter("kvstore_tokens_loaded_total", "Tokens whose KV was loaded into an engine.")
+TOKENS_SAVED = REGISTRY.counter("kvstore_tokens_saved_total", "Tokens whose KV was written to the store.")
+CORRUPT = REGISTRY.counter("kvstore_corrupt_records_total", "Records rejected by validation, by reason.", ("reason",))
+LATENCY = REGISTRY.histogram("kvstore_op_seconds", "Latency of cache operations.", ("op",))
+
+# -- tiers: bytes, errors, the circuit breaker, the write queues ----------------------------------
+BYTES_READ = REGISTRY.counter("kvstore_bytes_read_total", "Record bytes read, by tier.", ("tier",))
+BYTES_WRITTEN = REGISTRY.counter("kvstore_bytes_written_total", "Record bytes written, by tier.", ("tier",))
+ERRORS = REGISTRY.counter("kvstore_errors_total", "Store errors by tier and kind.", ("tier", "kind"))
+TIER_STATE = REGISTRY.gauge("kvstore_tier_state", "Circuit breaker state of a tier: 0 closed, 1 half-open, 2 open.",
+                            ("tier",))
+TIER_TRIPS = REGISTRY.counter("kvstore_tier_trips_total", "Times a tier's circuit breaker opened.", ("tier",))
+QUEUE_ITEMS = REGISTRY.gauge("kvstore_write_queue_items", "Writes waiting for a shared tier.", ("tier",))
+QUEUE_BYTES = REGISTRY.gauge("kvstore_write_queue_bytes", "Bytes waiting to be written to a shared tier.", ("tier",))
+EVICTIONS = REGISTRY.counter("kvstore_evictions_total", "Values a bounded local store evicted to stay under "
+                             "max_bytes, by store kind (memory, file).", ("store",))
+WRITE_DROPS = REGISTRY.counter("kvstore_write_drops_total",
+                               "Background writes dropped: queue_full, tier_unavailable, error or closed.",
+                               ("tier", "reason"))
+
+# -- operations: warming, the build ----------------------------------------------------------------
+WARM_PROMPTS = REGISTRY.counter("kvstore_warm_prompts_total",
+                                "Prompts processed by kvstore warm, by result (warmed, skipped, failed, invalid).",
+                                ("result",))
+INFO = REGISTRY.gauge("kvstore_info", "Always 1; labels carry the kvstore version and record format.",
+                      ("version", "format_version"))

@@ -1,0 +1,19 @@
+"""Paged KV caches: layouts (``layouts``), CPU copy kernels (``kernels``), staging memory
+(``staging``), torch helpers (``tensors``) and ``KVTransfer`` (``transfer``), the engine-agnostic
+core that moves a sequence's KV between a paged cache and a store."""
+
+from kvstore.paged.layouts import (
+    LAYOUTS,
+    BHNCLayout,
+    CPUPackedLayout,
+    FlashLayout,
+    MLALayout,
+    PagedLayout,
+    get_layout,
+)
+from kvstore.paged.staging import StagingPool
+from kvstore.paged.tensors import dtype_name, slots_from_block_table
+from kvstore.paged.transfer import KVTransfer
+
+__all__ = ["PagedLayout", "FlashLayout", "BHNCLayout", "CPUPackedLayout", "MLALayout", "LAYOUTS", "get_layout",
+           "dtype_name", "StagingPool", "KVTransfer", "slots_from_block_table"]

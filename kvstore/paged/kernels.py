@@ -1,0 +1,122 @@
+"""Copy kernels for CPU caches: numpy item copies, all layers with one index computation.
+
+A layer's cache is viewed as numpy arrays of opaque *items* sharing its memory: one token's row
+or, when the slots of a chunk are whole blocks in order (a 256-token chunk at block size 16 is
+16 blocks), one whole block. numpy moves each item with one ``memcpy``, at any alignment, on
+the calling thread, and never waits on torch's intra-op pool (which stalls when the cores are
+shared). ``KVTransfer`` uses these on the CPU and the layouts' torch copies everywhere else
+(figures: ``benchmarks/results/paged.md``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+__all__ = ["HostLayer", "np_items", "host_bytes", "host_copy", "host_layers"]
+
+
+class HostLayer(NamedTuple):
+    """One CPU layer's cache as numpy arrays of opaque items, sharing its memory: ``tokens``
+    ``[*lead, num_slots]`` (one token's row each) and ``blocks`` ``[*lead, num_blocks]`` (one
+    whole block each); either is None where the layout or the strides do not allow it."""
+
+    tokens: np.ndarray | None
+    blocks: np.ndarray | None
+    block_size: int
+
+
+def np_items(t: torch.Tensor | np.ndarray) -> np.ndarray | None:
+    """A ``[..., n, m]`` CPU tensor or array (last dim contiguous) as a numpy ``[..., n]`` array
+    of items of ``m`` elements each, sharing its memory; None where the strides forbid it."""
+    if isinstance(t, torch.Tensor):
+        if t.device.type != "cpu" or t.dim() == 0 or t.shape[-1] == 0 or t.stride(-1) != 1:
+            return None
+        try:
+            t = t.detach().view(torch.uint8).numpy()
+        except (RuntimeError, TypeError):
+            return None
+    try:
+        return t.view(np.dtype((np.void, t.shape[-1])))[..., 0]
+    except ValueError:  # the last axis is not contiguous
+        return None
+
+
+def host_bytes(t: torch.Tensor) -> np.ndarray | None:
+    """The bytes of a C-contiguous CPU tensor as a flat numpy uint8 array (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+@functools.lru_cache(maxsize=16)
+def _offsets(block_size: int) -> np.ndarray:
+    offsets = np.arange(block_size, dtype=np.int64)
+    offsets.setflags(write=False)  # shared by every caller
+    return offsets
+
+
+def _whole_blocks(slots: np.ndarray, block_size: int) -> np.ndarray | None:
+    """The block ids of ``slots`` if they are whole blocks, each in order; None otherwise."""
+    if slots.size == 0 or slots.size % block_size:
+        return None
+    starts = slots.reshape(-1, block_size) - _offsets(block_size)  # rows are constant for whole blocks
+    first = starts[:, 0]
+    if (first % block_size).any() or not (starts == first[:, None]).all():
+        return None
+    return first // block_size
+
+
+def host_copy(layers: Sequence[HostLayer], slots: torch.Tensor, staging: np.ndarray, to_cache: bool,
+               skip: int = 0) -> bool:
+    """Copy ``slots[skip:]`` between every layer's cache and ``staging`` (the bytes of a staging
+    tensor ``[len(layers), *chunk_shape(len(slots))]``, any alignment, read-only unless copying
+    from the cache), as whole blocks where they are, else as token rows. All layers alike
+    (one shape). False, having copied nothing, where the items do not allow it."""
+    if not layers or slots.device.type != "cpu":
+        return False
+    first, bs, n = layers[0], layers[0].block_size, slots.numel()
+    rest = slots[skip:].numpy()
+    idx = _whole_blocks(rest, bs) if first.blocks is not None and skip % bs == 0 and n % bs == 0 else None
+    if idx is not None:
+        kind, n_items, skip_items = "blocks", n // bs, skip // bs
+    elif first.tokens is not None:
+        kind, idx, n_items, skip_items = "tokens", rest, n, skip
+    else:
+        return False
+    items = getattr(first, kind)
+    size = items.shape[-1]
+    if idx.size and (idx.min() < 0 or idx.max() >= size):
+        bad = idx[(idx < 0) | (idx >= size)][0]
+        raise IndexError(f"{kind[:-1]} {bad} is out of range for a cache of {size} {kind}")
+    shape = (len(layers), *items.shape[:-1], n_items, items.dtype.itemsize)
+    if staging.size != math.prod(shape):
+        raise ValueError(f"staging of {staging.size} bytes does not hold {n} slots of {len(layers)} layers")
+    staged = np_items(staging.reshape(shape))[..., skip_items:]
+    for layer, part in zip(layers, staged):
+        cache_items = getattr(layer, kind)
+        pairs = zip(cache_items, part) if cache_items.ndim == 2 else ((cache_items, part),)
+        for c, st in pairs:
+            if to_cache:
+                c[idx] = st
+            else:  # mode="raise" would buffer the whole output; the range is checked above
+                np.take(c, idx, out=st, mode="clip")
+    return True
+
+
+def host_layers(layers: Sequence[HostLayer | None]) -> list[HostLayer] | None:
+    """Every layer's item views (``PagedLayout.host_layer`` of each cache), keeping only the
+    kinds that all layers have; None if a layer has none or no kind is common to all."""
+    if not layers or any(h is None for h in layers):
+        return None
+    views = [h for h in layers if h is not None]
+    tokens = all(h.tokens is not None for h in views)
+    blocks = all(h.blocks is not None for h in views)
+    if not (tokens or blocks):
+        return None
+    return [h._replace(tokens=h.tokens if tokens else None, blocks=h.blocks if blocks else None) for h in views]

@@ -1,0 +1,292 @@
+"""Paged KV-cache layouts: how one layer's paged tensor maps token slots to memory.
+
+An engine keeps each layer's KV in a paged tensor: token slot ``s = block_id * block_size +
+offset``. A ``PagedLayout`` copies the KV of a list of slots to or from a contiguous *staging*
+tensor of ``chunk_shape(cache, n)``:
+
+* ``gather(cache, slots, out)``: the KV of ``slots`` into ``out`` (cache unchanged);
+* ``scatter(cache, slots, src)``: ``src`` into the cache at ``slots`` (the inverse);
+* ``name``: recorded in the ``Namespace`` (``layout``), so differently laid-out bytes never
+  share a key; ``granularity``: ``"token"`` (any slot list) or ``"block"`` (whole blocks only).
+
+Block-granular layouts (pages whose contents are opaque, e.g. vLLM's CPU attention packing)
+take the slots of whole blocks only: ``len(slots)`` a multiple of ``block_size`` and each run of
+``block_size`` slots one block in order; they copy pages as opaque bytes.
+
+``gather``/``scatter`` are vectorised torch copies on any device (``index_select(out=)`` /
+``index_copy_``, on an int64 view of the rows where the strides allow), never a Python loop per
+token or block. Layouts accept arbitrary strides (vLLM hands GPU backends a permuted,
+non-contiguous view); where slots cannot be addressed as one merged dimension they fall back to
+advanced indexing, which is correct but slower. ``host_layer`` exposes a CPU cache to the numpy
+kernels (``kvstore.paged.kernels``), which ``KVTransfer`` prefers on the CPU.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Literal
+
+import torch
+
+from kvstore.paged.kernels import HostLayer, np_items
+from kvstore.paged.tensors import as_int64, try_view
+
+__all__ = ["PagedLayout", "FlashLayout", "BHNCLayout", "CPUPackedLayout", "MLALayout", "LAYOUTS", "get_layout"]
+
+
+def _check_range(index: torch.Tensor, size: int, what: str) -> None:
+    """``IndexError`` for an index outside ``[0, size)`` (checked on the host only: on an
+    accelerator the check would force a synchronisation)."""
+    if index.device.type == "cpu" and index.numel():
+        lo, hi = int(index.min()), int(index.max())
+        if lo < 0 or hi >= size:
+            raise IndexError(f"{what} {lo if lo < 0 else hi} is out of range for a cache of {size} {what}s")
+
+
+class PagedLayout(ABC):
+    """How one layer's paged KV tensor maps token slots to memory. Stateless; thread-safe."""
+
+    #: Recorded in the namespace: differently laid-out bytes never share a key.
+    name: str
+    #: ``"token"``: any slots; ``"block"``: the slots of whole blocks only.
+    granularity: Literal["token", "block"]
+
+    @abstractmethod
+    def block_size(self, cache: torch.Tensor) -> int:
+        """Tokens per block of ``cache``."""
+
+    @abstractmethod
+    def num_blocks(self, cache: torch.Tensor) -> int:
+        """Blocks in ``cache``."""
+
+    @abstractmethod
+    def chunk_shape(self, cache: torch.Tensor, num_tokens: int) -> tuple[int, ...]:
+        """Shape of the staging tensor holding ``num_tokens`` tokens of one layer."""
+
+    @abstractmethod
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Copy the KV of ``slots`` (int64, on ``cache.device``) into ``out`` (contiguous,
+        ``chunk_shape(cache, len(slots))``, ``cache.dtype``, on ``cache.device``); returns ``out``."""
+
+    @abstractmethod
+    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` (as ``gather`` writes it) into ``cache`` at ``slots``."""
+
+    def check_slots(self, cache: torch.Tensor, num_tokens: int) -> None:
+        """Raise ``ValueError`` if ``num_tokens`` slots cannot be copied by this layout."""
+
+    def host_layer(self, cache: torch.Tensor) -> HostLayer | None:
+        """``cache`` (on the CPU) as numpy items for ``kernels.host_copy``, in ``chunk_shape`` order;
+        None where only ``gather``/``scatter`` can copy it."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class _TokenLayout(PagedLayout):
+    """A token-addressable layout, given as a view ``[*lead, num_blocks, block_size, *row]``."""
+
+    granularity: Literal["token", "block"] = "token"
+    _lead = 0  # leading dims before the block dim (flash: 1, the K/V axis)
+
+    @abstractmethod
+    def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
+        """A view ``[*lead, num_blocks, block_size, *row]`` of ``cache`` (no copy)."""
+
+    def block_size(self, cache: torch.Tensor) -> int:
+        return self._blocked(cache).shape[self._lead + 1]
+
+    def num_blocks(self, cache: torch.Tensor) -> int:
+        return self._blocked(cache).shape[self._lead]
+
+    def chunk_shape(self, cache: torch.Tensor, num_tokens: int) -> tuple[int, ...]:
+        b = self._blocked(cache)
+        return (*b.shape[:self._lead], num_tokens, *b.shape[self._lead + 2:])
+
+    def _rows(self, cache: torch.Tensor) -> torch.Tensor | None:
+        """``[*lead, num_slots, row_elems]`` view of ``cache``, or None if strides forbid it."""
+        b = self._blocked(cache)
+        lead = tuple(b.shape[:self._lead])
+        nslots = b.shape[self._lead] * b.shape[self._lead + 1]
+        return try_view(b, (*lead, nslots, -1))
+
+    def _pair(self, cache: torch.Tensor, staging: torch.Tensor, n: int):
+        rows = self._rows(cache)
+        if rows is None:
+            return None
+        flat = staging.view(*rows.shape[:self._lead], n, -1)
+        r64, f64 = as_int64(rows), as_int64(flat)
+        if r64 is not None and f64 is not None:
+            return r64, f64
+        return rows, flat
+
+    def host_layer(self, cache: torch.Tensor) -> HostLayer | None:
+        if cache.device.type != "cpu" or self._lead > 1:  # host_copy walks at most one lead dim
+            return None
+        b = self._blocked(cache)
+        lead = tuple(b.shape[:self._lead])
+        blocks = try_view(b, (*lead, b.shape[self._lead], -1))
+        rows = self._rows(cache)
+        host = HostLayer(None if rows is None else np_items(rows),
+                          None if blocks is None else np_items(blocks), b.shape[self._lead + 1])
+        return host if host.tokens is not None or host.blocks is not None else None
+
+    def _num_slots(self, cache: torch.Tensor) -> int:
+        b = self._blocked(cache)
+        return int(b.shape[self._lead] * b.shape[self._lead + 1])
+
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        _check_range(slots, self._num_slots(cache), "slot")
+        pair = self._pair(cache, out, slots.numel())
+        if pair is not None:
+            torch.index_select(pair[0], self._lead, slots, out=pair[1])
+        else:
+            b = self._blocked(cache)
+            bs = b.shape[self._lead + 1]
+            idx = (slice(None),) * self._lead + (slots // bs, slots % bs)
+            out.copy_(b[idx])
+        return out
+
+    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        _check_range(slots, self._num_slots(cache), "slot")
+        pair = self._pair(cache, src, slots.numel())
+        if pair is not None:
+            pair[0].index_copy_(self._lead, slots, pair[1])
+        else:
+            b = self._blocked(cache)
+            bs = b.shape[self._lead + 1]
+            idx = (slice(None),) * self._lead + (slots // bs, slots % bs)
+            b[idx] = src
+
+
+class FlashLayout(_TokenLayout):
+    """vLLM's legacy FlashAttention cache ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+
+    Staging: ``[2, n, num_kv_heads, head_size]`` (K then V).
+    """
+
+    name = "flash-2bnhd"
+    _lead = 1
+
+    def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
+        if cache.dim() != 5 or cache.shape[0] != 2:
+            raise ValueError(f"{self.name} cache must be [2, blocks, block_size, heads, head_size], got {list(cache.shape)}")
+        return cache
+
+
+class BHNCLayout(_TokenLayout):
+    """vLLM 0.32's per-layer logical view ``[num_blocks, num_kv_heads, block_size, 2*head_size]``
+    as GPU backends use it: ``view[b, :, n]`` is token ``n``'s K|V per head. Any strides: the
+    FlashAttention default is physically ``[B][N][H][2D]`` (a permuted view); ``HND`` is
+    ``[B][H][N][2D]`` (slower fallback path). Staging: ``[n, num_kv_heads, 2*head_size]``.
+    """
+
+    name = "vllm-bhnc"
+
+    def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
+        if cache.dim() != 4:
+            raise ValueError(f"{self.name} cache must be [blocks, heads, block_size, 2*head_size], got {list(cache.shape)}")
+        return cache.transpose(1, 2)
+
+
+class MLALayout(_TokenLayout):
+    """An MLA-style latent cache ``[num_blocks, block_size, latent_dim]``. Staging: ``[n, latent_dim]``."""
+
+    name = "mla-bnl"
+
+    def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
+        if cache.dim() != 3:
+            raise ValueError(f"{self.name} cache must be [blocks, block_size, latent_dim], got {list(cache.shape)}")
+        return cache
+
+
+class CPUPackedLayout(PagedLayout):
+    """vLLM 0.32's CPU attention cache: the view ``[num_blocks, num_kv_heads, block_size,
+    2*head_size]`` whose pages the kernel packs in an ISA-specific order (``vec``: K transposed;
+    ``amx``: VNNI tiles). Pages are opaque: whole blocks are copied as they are, and the ISA is
+    part of ``name`` so pages never move between hosts that pack differently.
+    Staging: ``[n // block_size, num_kv_heads, block_size, 2*head_size]``.
+    """
+
+    granularity: Literal["token", "block"] = "block"
+
+    def __init__(self, isa: str = "vec") -> None:
+        self.isa = isa
+        self.name = f"vllm-cpu-{isa}"
+
+    def _check(self, cache: torch.Tensor) -> None:
+        if cache.dim() != 4:
+            raise ValueError(f"{self.name} cache must be [blocks, heads, block_size, 2*head_size], got {list(cache.shape)}")
+
+    def block_size(self, cache: torch.Tensor) -> int:
+        self._check(cache)
+        return cache.shape[2]
+
+    def num_blocks(self, cache: torch.Tensor) -> int:
+        self._check(cache)
+        return cache.shape[0]
+
+    def check_slots(self, cache: torch.Tensor, num_tokens: int) -> None:
+        if num_tokens % self.block_size(cache):
+            raise ValueError(f"{self.name} copies whole blocks: {num_tokens} tokens is not a multiple "
+                             f"of block_size={self.block_size(cache)}")
+
+    def chunk_shape(self, cache: torch.Tensor, num_tokens: int) -> tuple[int, ...]:
+        self.check_slots(cache, num_tokens)
+        return (num_tokens // cache.shape[2], *cache.shape[1:])
+
+    def _block_ids(self, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        bs = self.block_size(cache)
+        self.check_slots(cache, slots.numel())
+        ids = slots[::bs] // bs
+        _check_range(ids, self.num_blocks(cache), "block")
+        if slots.device.type == "cpu":  # cheap on host; on an accelerator it would force a sync
+            expect = (ids[:, None] * bs + torch.arange(bs)).flatten()
+            if not torch.equal(expect, slots):
+                raise ValueError(f"{self.name} copies whole blocks: slots must cover whole blocks in order")
+        return ids
+
+    def _pages(self, cache: torch.Tensor, staging: torch.Tensor):
+        pages = try_view(cache, (cache.shape[0], -1))
+        if pages is None:
+            return cache, staging
+        flat = staging.view(staging.shape[0], -1)
+        p64, f64 = as_int64(pages), as_int64(flat)
+        return (p64, f64) if p64 is not None and f64 is not None else (pages, flat)
+
+    def host_layer(self, cache: torch.Tensor) -> HostLayer | None:
+        if cache.device.type != "cpu":
+            return None
+        pages = try_view(cache, (self.num_blocks(cache), -1))
+        blocks = None if pages is None else np_items(pages)
+        return None if blocks is None else HostLayer(None, blocks, self.block_size(cache))
+
+    def gather(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        ids = self._block_ids(cache, slots)
+        pages, flat = self._pages(cache, out)
+        torch.index_select(pages, 0, ids, out=flat)
+        return out
+
+    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        ids = self._block_ids(cache, slots)
+        pages, flat = self._pages(cache, src)
+        pages.index_copy_(0, ids, flat)
+
+
+#: Layouts by name (``get_layout``); the CPU one for the ``vec`` ISA of this kind of host.
+LAYOUTS: dict[str, PagedLayout] = {
+    lay.name: lay for lay in (FlashLayout(), BHNCLayout(), MLALayout(), CPUPackedLayout("vec"),
+                              CPUPackedLayout("amx"))
+}
+
+
+def get_layout(name: str | PagedLayout) -> PagedLayout:
+    """The layout called ``name`` (``ValueError`` naming the accepted ones otherwise)."""
+    if isinstance(name, PagedLayout):
+        return name
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise ValueError(f"unknown KV layout {name!r}; accepted: {', '.join(LAYOUTS)}") from None
+

@@ -1,0 +1,234 @@
+"""``KVTransfer``: save and load token prefixes of a sequence between a paged cache and a store.
+
+The engine-agnostic core the agent API and the vLLM connector both use: per sequence (tokens,
+slots) it saves chunks through a ``PrefixCache`` (gather -> staging -> record) and loads the
+longest stored prefix back (verified record -> scatter). The copy path is chosen once, when the
+transfer is built: the numpy kernels for CPU caches (straight from and into the record's bytes),
+the layout's torch copies through pinned staging and a side stream on an accelerator.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvstore.errors import ConfigError
+from kvstore.keys import ChunkKey, Namespace, TokenIds, tokens_to_array
+from kvstore.paged.kernels import host_bytes, host_copy, host_layers
+from kvstore.paged.layouts import PagedLayout, get_layout
+from kvstore.paged.staging import StagingPool
+from kvstore.paged.tensors import dtype_name, tensor_bytes
+from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.record import Record
+
+__all__ = ["KVTransfer"]
+
+log = logging.getLogger(__name__)
+
+
+class KVTransfer:
+    """Save and load token prefixes of a sequence between a paged KV cache and a store.
+
+    ``kv_caches`` are this rank's layers (``layout`` describes each), all of one dtype and
+    device. Every record holds all these layers for one chunk (``shapes``: one
+    ``chunk_shape`` per layer) plus, when known, the hidden state of the chunk's last token.
+    The ``PrefixCache``'s namespace must name this layout, dtype, block size and layer range;
+    ``KVTransfer`` checks what it can at construction.
+
+    Block-granular layouts save and load whole blocks only (a final partial block is neither
+    stored nor loaded). Nothing here raises a storage or record error: a failed load is a
+    shorter (or zero) hit.
+    """
+
+    def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout | str) -> None:
+        if not kv_caches:
+            raise ValueError("KVTransfer needs at least one layer's KV cache")
+        self.cache = cache
+        self.kv_caches = list(kv_caches)
+        self.layout = get_layout(layout)
+        first = self.kv_caches[0]
+        self.device, self.dtype = first.device, first.dtype
+        self.block_size = self.layout.block_size(first)
+        for i, c in enumerate(self.kv_caches):
+            if c.dtype != self.dtype or c.device != self.device or c.shape != first.shape:
+                raise ValueError(f"layer {i} cache is {c.dtype}{list(c.shape)} on {c.device}; "
+                                 f"layer 0 is {self.dtype}{list(first.shape)} on {self.device}")
+        ns = cache.namespace
+        problems = []
+        if ns.layout != self.layout.name:
+            problems.append(f"layout={ns.layout!r} (cache is {self.layout.name!r})")
+        if ns.kv_dtype != dtype_name(self.dtype):
+            problems.append(f"kv_dtype={ns.kv_dtype!r} (cache is {dtype_name(self.dtype)!r})")
+        if ns.block_size != self.block_size:
+            problems.append(f"block_size={ns.block_size} (cache has {self.block_size})")
+        if ns.layer_end - ns.layer_start != len(self.kv_caches):
+            problems.append(f"layer range [{ns.layer_start}, {ns.layer_end}) for {len(self.kv_caches)} layers")
+        if problems:
+            raise ConfigError("namespace does not describe the KV cache: " + "; ".join(problems))
+        self.on_cuda = self.device.type == "cuda"
+        self.pool = StagingPool(pin=self.on_cuda)
+        # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
+        self._host = host_layers([self.layout.host_layer(c) for c in self.kv_caches]) if self.device.type == "cpu" else None
+        self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def usable_tokens(self, num_tokens: int) -> int:
+        """How many leading tokens of a ``num_tokens`` sequence this layout can store or load."""
+        if self.layout.granularity == "block":
+            return num_tokens - num_tokens % self.block_size
+        return num_tokens
+
+    def keys(self, tokens: TokenIds, max_tokens: int | None = None,
+             namespace: Namespace | None = None) -> list[ChunkKey]:
+        """Chunk keys of the storable part of ``tokens`` (up to ``max_tokens``), under
+        ``namespace`` (default: the cache's; e.g. ``namespace.with_salt(...)`` per tenant)."""
+        arr = tokens_to_array(tokens)
+        n = self.usable_tokens(arr.shape[0])
+        return self.cache.keys(arr[:n], max_tokens=max_tokens, namespace=namespace)
+
+    def _shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
+        return [self.layout.chunk_shape(self.kv_caches[0], num_tokens)] * len(self.kv_caches)
+
+    def _staging(self, num_tokens: int, device_side: bool = False) -> torch.Tensor:
+        shape = (len(self.kv_caches), *self.layout.chunk_shape(self.kv_caches[0], num_tokens))
+        if device_side:
+            buf = getattr(self, "_dev_buf", None)
+            if buf is None or buf.numel() < math.prod(shape):
+                self._dev_buf = buf = torch.empty(math.prod(shape), dtype=self.dtype, device=self.device)
+            return buf[:math.prod(shape)].view(shape)
+        return self.pool.get("kv", shape, self.dtype)
+
+    def lookup(self, tokens: TokenIds, max_tokens: int | None = None) -> int:
+        """Tokens of the longest stored prefix (one lookup round trip; nothing is loaded)."""
+        return self.cache.lookup_tokens(self.keys(tokens, max_tokens))
+
+    # -- save ------------------------------------------------------------------------------
+    def save_sequence(self, tokens: TokenIds, slots: torch.Tensor,
+                      hidden_states: torch.Tensor | None = None, start_token: int = 0,
+                      namespace: Namespace | None = None) -> int:
+        """Store the chunks of ``tokens`` whose KV sits at ``slots`` (one slot per token).
+
+        ``hidden_states[i]`` (optional) is the hidden state of token ``start_token + i``; each
+        chunk whose last token has one stores it. Chunks already stored are not rebuilt or
+        rewritten. ``namespace`` overrides the cache's (same layout, e.g. another cache salt).
+        Returns the number of chunks written (handed to the store).
+        """
+        arr = tokens_to_array(tokens)
+        if slots.numel() < arr.shape[0]:
+            raise ValueError(f"{arr.shape[0]} tokens need as many slots, got {slots.numel()}")
+        keys = self.keys(arr, namespace=namespace)
+        if not keys:
+            return 0
+        slots = slots.to(self.device, torch.int64)
+
+        def payload(chunk: ChunkKey) -> ChunkPayload:
+            staging = self._gather(slots[chunk.start:chunk.end])
+            hidden = hidden_dtype = hidden_shape = None
+            row = chunk.end - 1 - start_token
+            if hidden_states is not None and 0 <= row < hidden_states.shape[0]:
+                h = hidden_states[row].detach().to("cpu").contiguous()
+                hidden, hidden_dtype, hidden_shape = tensor_bytes(h), dtype_name(h.dtype), tuple(h.shape)
+            return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=tensor_bytes(staging),
+                                hidden=hidden, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape)
+
+        return self.cache.save(arr[:keys[-1].end], keys, payload, namespace=namespace)
+
+    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+        n = slots.numel()
+        host = self._staging(n)
+        if not self.on_cuda:
+            if self._host is None or not host_copy(self._host, slots, host_bytes(host), False):
+                for layer, cache in enumerate(self.kv_caches):
+                    self.layout.gather(cache, slots, host[layer])
+            return host
+        dev = self._staging(n, device_side=True)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for layer, cache in enumerate(self.kv_caches):
+                self.layout.gather(cache, slots, dev[layer])
+            host.copy_(dev, non_blocking=True)
+        stream.synchronize()  # the record encoder reads the host bytes next
+        return host
+
+    # -- load ------------------------------------------------------------------------------
+    def load_sequence(self, tokens: TokenIds, slots: torch.Tensor,
+                      max_tokens: int | None = None, *, skip_tokens: int = 0,
+                      namespace: Namespace | None = None) -> tuple[int, torch.Tensor | None]:
+        """Load the longest stored prefix of ``tokens`` into ``slots``.
+
+        Only chunks ending at or before ``max_tokens`` are considered. Each chunk is verified
+        before its KV is scattered. ``skip_tokens`` leading tokens are already in the cache
+        (an engine's local prefix hit, possibly shared blocks): chunks ending there are not
+        fetched and those slots are never written (``slots`` may hold anything for them); on
+        a block-granular layout it must be a whole number of blocks. ``namespace`` overrides
+        the cache's. Returns ``(tokens present: skip_tokens or the end of the loaded prefix,
+        hidden state of the last loaded token or None)``; the hidden state is a new CPU tensor.
+        """
+        arr = tokens_to_array(tokens)
+        if skip_tokens < 0 or (self.layout.granularity == "block" and skip_tokens % self.block_size):
+            raise ValueError(f"skip_tokens={skip_tokens} must be a non-negative multiple of "
+                             f"block_size={self.block_size} for {self.layout.name}")
+        keys = [k for k in self.keys(arr, max_tokens, namespace=namespace) if k.end > skip_tokens]
+        if not keys:
+            return min(skip_tokens, arr.shape[0]), None
+        n = self.cache.lookup(keys)
+        if n == 0:
+            return min(skip_tokens, arr.shape[0]), None
+        keys = keys[:n]
+        slots = slots.to(self.device, torch.int64)
+
+        def sink(chunk: ChunkKey, record: Record) -> None:
+            self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
+
+        result = self.cache.load(arr[:keys[-1].end], keys, sink,
+                                 shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace)
+        if self.on_cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        hidden = None
+        rec = result.last_record
+        if result.num_tokens and rec is not None and rec.hidden is not None and rec.header.hidden_shape is not None:
+            dt = getattr(torch, rec.header.hidden_dtype or "", None)
+            if isinstance(dt, torch.dtype):
+                hidden = torch.frombuffer(bytearray(rec.hidden), dtype=dt).view(rec.header.hidden_shape)
+        return (result.num_tokens if result.num_tokens else min(skip_tokens, arr.shape[0])), hidden
+
+    def _token_rows(self, staging: torch.Tensor, num_tokens: int, skip: int) -> torch.Tensor:
+        """The part of one layer's staging (``chunk_shape(num_tokens)``) after its first ``skip`` tokens."""
+        full = self.layout.chunk_shape(self.kv_caches[0], num_tokens)
+        rest = self.layout.chunk_shape(self.kv_caches[0], num_tokens - skip)
+        axis = next(i for i, (a, b) in enumerate(zip(full, rest)) if a != b)
+        return staging.narrow(axis, full[axis] - rest[axis], rest[axis]).contiguous()
+
+    def _scatter(self, slots: torch.Tensor, kv: memoryview | bytes, skip: int = 0) -> None:
+        n = slots.numel()
+        # On the CPU, straight from the record's bytes (numpy items have no alignment needs).
+        if self._host is not None and host_copy(self._host, slots, np.frombuffer(kv, dtype=np.uint8), True, skip):
+            return
+        host = self._staging(n)
+        # Copy into our staging first: record bytes are read-only and not necessarily 8-byte aligned.
+        np.copyto(host.view(-1).view(torch.uint8).numpy(), np.frombuffer(kv, dtype=np.uint8))
+        if skip:  # the chunk's first tokens are already in the cache: write only the rest
+            for layer, cache in enumerate(self.kv_caches):
+                self.layout.scatter(cache, slots[skip:], self._token_rows(host[layer], n, skip).to(self.device))
+            if self.on_cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            return
+        if not self.on_cuda:
+            for layer, cache in enumerate(self.kv_caches):
+                self.layout.scatter(cache, slots, host[layer])
+            return
+        dev = self._staging(n, device_side=True)
+        # As in _gather: work already queued on the compute stream (on these blocks, or on the
+        # memory the allocator just handed ``dev``) must finish before the side stream writes.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            dev.copy_(host, non_blocking=True)
+            for layer, cache in enumerate(self.kv_caches):
+                self.layout.scatter(cache, slots, dev[layer])
+        self._stream.synchronize()  # host staging is reused by the next chunk
+

@@ -1,0 +1,20 @@
+"""Self-describing chunk records: the format (``format``) and the payload codecs (``codecs``).
+
+Stores are a trust boundary: every record read back is validated field by field before any of
+its bytes are used, and nothing in it is ever unpickled.
+"""
+
+from kvstore.record.format import (
+    DTYPES,
+    FRAME_BYTES,
+    MAGIC,
+    Record,
+    RecordHeader,
+    decode_record,
+    encode_record,
+    kv_nbytes,
+    read_header,
+)
+
+__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "Record", "RecordHeader", "decode_record", "encode_record",
+           "kv_nbytes", "read_header"]

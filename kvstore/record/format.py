@@ -1,0 +1,362 @@
+"""Self-describing chunk records: a fixed frame, a msgpack header, then the payload.
+
+Layout of format version 1 (all integers little-endian)::
+
+    0   4  magic  b"KVSR"
+    4   2  format version (1)
+    6   2  reserved, zero
+    8   4  header length H
+    12  4  crc32 of the header bytes
+    16  H  header, a msgpack map (fields below)
+    16+H   payload: the encoded KV bytes, then (if any) the hidden state's raw bytes
+
+Header fields: ``v`` format version, ``ns`` namespace digest (32 B), ``key`` prefix digest of
+this chunk (16 B), ``start`` first token index, ``partial``, ``tokens`` the chunk's token ids
+(uint32-le bytes), ``dtype``, ``shapes`` one shape per stored tensor (typically one per layer),
+``hidden`` ``[dtype, shape]`` or nil, ``codecs`` the chain applied to the KV bytes, ``raw_len``
+decoded KV length, ``payload_len``, ``checksum`` xxh3-64 of the stored payload (8 B),
+``created`` unix seconds.
+
+``decode_record`` validates every field (and, when told what the reader expects, the
+namespace, key, tokens, dtype and shapes) before it returns anything; every failure is a
+``CorruptRecordError``. Records are never unpickled: msgpack for the header, raw bytes after.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import xxhash
+
+from kvstore.errors import CorruptRecordError
+from kvstore.keys import FORMAT_VERSION, ChunkKey, Namespace, TokenIds, tokens_to_array
+from kvstore.record import codecs
+from kvstore.types import Buffer
+
+MAGIC = b"KVSR"
+_FRAME = struct.Struct("<4sHHII")
+FRAME_BYTES = _FRAME.size
+MAX_HEADER_BYTES = 1 << 20
+MAX_RAW_BYTES = 4 << 30  # no record decodes to more: a lying header must not make us allocate without bound
+_MAX_COMPRESSION_RATIO = 300  # above lz4's and far above what KV data reaches (1.5)
+SUPPORTED_VERSIONS = (1,)
+
+#: dtype name -> element size. fp8 and integer types are stored raw (no shuffle benefit).
+DTYPES: dict[str, int] = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "int8": 1, "uint8": 1, "int32": 4,
+}
+
+
+@dataclass(frozen=True)
+class RecordHeader:
+    version: int
+    namespace: bytes
+    key: bytes
+    start: int
+    partial: bool
+    tokens: bytes
+    dtype: str
+    shapes: tuple[tuple[int, ...], ...]
+    hidden_dtype: str | None
+    hidden_shape: tuple[int, ...] | None
+    codecs: tuple[str, ...]
+    raw_len: int
+    payload_len: int
+    checksum: bytes
+    created: float
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return np.frombuffer(self.tokens, dtype="<u4")
+
+    @property
+    def hidden_len(self) -> int:
+        if self.hidden_dtype is None or self.hidden_shape is None:
+            return 0
+        return DTYPES[self.hidden_dtype] * math.prod(self.hidden_shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able view for tools (``kvstore inspect``)."""
+        return {
+            "version": self.version, "namespace": self.namespace.hex(), "key": self.key.hex(),
+            "start": self.start, "partial": self.partial, "num_tokens": self.num_tokens,
+            "dtype": self.dtype, "shapes": [list(s) for s in self.shapes],
+            "hidden": None if self.hidden_dtype is None else {"dtype": self.hidden_dtype, "shape": list(self.hidden_shape or ())},
+            "codecs": list(self.codecs), "raw_len": self.raw_len, "payload_len": self.payload_len,
+            "checksum": self.checksum.hex(), "created": self.created,
+        }
+
+
+@dataclass(frozen=True)
+class Record:
+    """A decoded, verified record: ``kv`` holds the tensors' bytes in header order."""
+
+    header: RecordHeader
+    kv: Buffer
+    hidden: memoryview | None
+
+
+def kv_nbytes(dtype: str, shapes: Sequence[Sequence[int]]) -> int:
+    return DTYPES[dtype] * sum(math.prod(s) for s in shapes)
+
+
+def encode_record(
+    *,
+    namespace: Namespace,
+    chunk: ChunkKey,
+    tokens: TokenIds,
+    dtype: str,
+    shapes: Sequence[Sequence[int]],
+    kv: Buffer,
+    hidden: Buffer | None = None,
+    hidden_dtype: str | None = None,
+    hidden_shape: Sequence[int] | None = None,
+    chain: Sequence[str] = (),
+    out: bytearray | None = None,
+    created: float | None = None,
+) -> bytes | memoryview:
+    """Encode one chunk record; returns the bytes to store.
+
+    ``tokens`` are the chunk's own tokens (``chunk.num_tokens`` of them). ``kv`` holds the
+    tensors of ``shapes`` back to back in ``dtype``. Without ``out`` the result is a new
+    immutable ``bytes``; with ``out`` (a reusable bytearray) the record is written there,
+    avoiding a fresh large allocation, and a view valid until ``out`` is reused is returned.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
+    shapes_t = tuple(tuple(int(d) for d in s) for s in shapes)
+    raw_len = kv_nbytes(dtype, shapes_t)
+    kv_view = memoryview(kv).cast("B")
+    if len(kv_view) != raw_len:
+        raise ValueError(f"kv has {len(kv_view)} bytes but {dtype} tensors of shapes {shapes_t} need {raw_len}")
+    tok = tokens_to_array(tokens)
+    if tok.shape[0] != chunk.num_tokens:
+        raise ValueError(f"chunk {chunk.index} covers {chunk.num_tokens} tokens, got {tok.shape[0]}")
+    hidden_view = None
+    hidden_meta = None
+    if hidden is not None:
+        if hidden_dtype not in DTYPES or hidden_shape is None:
+            raise ValueError("hidden needs hidden_dtype (a supported dtype) and hidden_shape")
+        hidden_view = memoryview(hidden).cast("B")
+        expect = DTYPES[hidden_dtype] * math.prod(hidden_shape)
+        if len(hidden_view) != expect:
+            raise ValueError(f"hidden has {len(hidden_view)} bytes, {hidden_dtype}{list(hidden_shape)} needs {expect}")
+        hidden_meta = [hidden_dtype, [int(d) for d in hidden_shape]]
+    chain = tuple(chain)
+    codecs.validate_chain(chain)
+    body = codecs.encode(chain, kv_view) if chain else kv_view
+    body_len = len(memoryview(body).cast("B")) if not isinstance(body, (bytes, bytearray)) else len(body)
+    payload_len = body_len + (len(hidden_view) if hidden_view is not None else 0)
+    hasher = xxhash.xxh3_64()
+    hasher.update(body)
+    if hidden_view is not None:
+        hasher.update(hidden_view)
+    header = msgpack.packb({
+        "v": FORMAT_VERSION,
+        "ns": namespace.digest,
+        "key": chunk.digest,
+        "start": chunk.start,
+        "partial": chunk.partial,
+        "tokens": tok.tobytes(),
+        "dtype": dtype,
+        "shapes": [list(s) for s in shapes_t],
+        "hidden": hidden_meta,
+        "codecs": list(chain),
+        "raw_len": raw_len,
+        "payload_len": payload_len,
+        "checksum": hasher.digest(),
+        "created": float(time.time() if created is None else created),
+    }, use_bin_type=True)
+    frame = _FRAME.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header))
+    parts = [frame, header, body] + ([hidden_view] if hidden_view is not None else [])
+    if out is None:
+        return b"".join(parts)  # one allocation and copy; immutable, safe to queue and keep
+    total = FRAME_BYTES + len(header) + payload_len
+    if len(out) < total:
+        out.extend(bytes(total - len(out)))
+    view = memoryview(out)[:total]
+    pos = 0
+    for part in parts:
+        n = len(part) if isinstance(part, (bytes, bytearray)) else memoryview(part).nbytes
+        view[pos:pos + n] = part
+        pos += n
+    return view
+
+
+def _fail(message: str, reason: str) -> CorruptRecordError:
+    return CorruptRecordError(message, reason)
+
+
+def _int(value: Any, name: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise _fail(f"header field {name}={value!r} is not an integer in [{lo}, {hi}]", "header")
+    return value
+
+
+def _bytes(value: Any, name: str, size: int | None = None) -> bytes:
+    if type(value) is not bytes or (size is not None and len(value) != size):
+        raise _fail(f"header field {name} is not {size if size else ''} bytes", "header")
+    return value
+
+
+def _shape(value: Any, name: str) -> tuple[int, ...]:
+    if type(value) is not list or len(value) > 16:
+        raise _fail(f"header field {name}={value!r} is not a shape", "header")
+    return tuple(_int(d, name, 0, 1 << 40) for d in value)
+
+
+def read_header(data: Buffer) -> RecordHeader:
+    """Parse and validate the frame and header of a record (not its payload checksum)."""
+    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+    if len(view) < FRAME_BYTES:
+        raise _fail(f"record of {len(view)} bytes is shorter than its frame", "truncated")
+    magic, version, reserved, header_len, header_crc = _FRAME.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise _fail(f"not a kvstore record (magic {bytes(magic)!r})", "foreign")
+    if version not in SUPPORTED_VERSIONS:
+        raise _fail(f"record format version {version} is not supported (this build reads {SUPPORTED_VERSIONS})", "version")
+    if reserved != 0 or header_len > MAX_HEADER_BYTES:
+        raise _fail("record frame is malformed", "header")
+    if FRAME_BYTES + header_len > len(view):
+        raise _fail(f"record truncated inside its header ({len(view)} bytes)", "truncated")
+    header_bytes = view[FRAME_BYTES:FRAME_BYTES + header_len]
+    if zlib.crc32(header_bytes) != header_crc:
+        raise _fail("record header checksum mismatch", "checksum")
+    try:
+        h = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, use_list=True,
+                            max_bin_len=MAX_HEADER_BYTES, max_str_len=1 << 12,
+                            max_array_len=1 << 16, max_map_len=64)
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise _fail(f"record header is not valid msgpack: {exc}", "header") from exc
+    if type(h) is not dict:
+        raise _fail("record header is not a map", "header")
+    try:
+        v = _int(h["v"], "v")
+        if v != version:
+            raise _fail(f"header version {v} disagrees with frame version {version}", "header")
+        dtype = h["dtype"]
+        if type(dtype) is not str or dtype not in DTYPES:
+            raise _fail(f"record dtype {dtype!r} is not known", "header")
+        shapes_raw = h["shapes"]
+        if type(shapes_raw) is not list or len(shapes_raw) > 4096:
+            raise _fail("header field shapes is not a list of shapes", "header")
+        shapes = tuple(_shape(s, "shapes") for s in shapes_raw)
+        hidden = h["hidden"]
+        hidden_dtype = hidden_shape = None
+        if hidden is not None:
+            if type(hidden) is not list or len(hidden) != 2 or type(hidden[0]) is not str or hidden[0] not in DTYPES:
+                raise _fail("header field hidden is malformed", "header")
+            hidden_dtype, hidden_shape = hidden[0], _shape(hidden[1], "hidden")
+        chain = h["codecs"]
+        if type(chain) is not list:
+            raise _fail("header field codecs is not a list", "header")
+        codecs.validate_chain(chain)
+        tokens = _bytes(h["tokens"], "tokens")
+        if len(tokens) % 4:
+            raise _fail("header field tokens is not a whole number of uint32", "header")
+        partial = h["partial"]
+        if type(partial) is not bool:
+            raise _fail("header field partial is not a boolean", "header")
+        created = h["created"]
+        if type(created) not in (float, int):
+            raise _fail("header field created is not a number", "header")
+        header = RecordHeader(
+            version=v,
+            namespace=_bytes(h["ns"], "ns", 32),
+            key=_bytes(h["key"], "key", 16),
+            start=_int(h["start"], "start"),
+            partial=partial,
+            tokens=tokens,
+            dtype=dtype,
+            shapes=shapes,
+            hidden_dtype=hidden_dtype,
+            hidden_shape=hidden_shape,
+            codecs=tuple(chain),
+            raw_len=_int(h["raw_len"], "raw_len"),
+            payload_len=_int(h["payload_len"], "payload_len"),
+            checksum=_bytes(h["checksum"], "checksum", 8),
+            created=float(created),
+        )
+    except KeyError as exc:
+        raise _fail(f"record header lacks field {exc}", "header") from exc
+    if header.raw_len != kv_nbytes(header.dtype, header.shapes):
+        raise _fail(f"raw_len {header.raw_len} disagrees with shapes {header.shapes}", "header")
+    if header.raw_len > MAX_RAW_BYTES or (
+            header.codecs and header.raw_len > _MAX_COMPRESSION_RATIO * header.payload_len + 4096):
+        raise _fail(f"raw_len {header.raw_len} is implausible for a {header.payload_len}-byte payload", "header")
+    if header.hidden_len > header.payload_len:
+        raise _fail("hidden state is larger than the payload", "header")
+    if not header.codecs and header.payload_len != header.raw_len + header.hidden_len:
+        raise _fail("payload_len disagrees with raw_len for an uncompressed record", "header")
+    actual = len(view) - FRAME_BYTES - header_len
+    if actual != header.payload_len:
+        reason = "truncated" if actual < header.payload_len else "header"
+        raise _fail(f"record payload has {actual} bytes, header says {header.payload_len}", reason)
+    return header
+
+
+def decode_record(
+    data: Buffer,
+    *,
+    namespace: Namespace | None = None,
+    chunk: ChunkKey | None = None,
+    tokens: TokenIds | None = None,
+    dtype: str | None = None,
+    shapes: Sequence[Sequence[int]] | None = None,
+    out: memoryview | None = None,
+) -> Record:
+    """Validate and decode a record. Every expectation given is checked before returning.
+
+    ``tokens`` are the chunk's own token ids as the reader sees them: a record whose tokens
+    differ (a hash collision, a foreign writer) is rejected. With ``out`` (exactly ``raw_len``
+    bytes) the KV bytes are written there; otherwise ``Record.kv`` is a view of ``data`` for
+    uncompressed records (no copy) or a new buffer.
+    """
+    header = read_header(data)
+    view = memoryview(data).cast("B")
+    if namespace is not None and header.namespace != namespace.digest:
+        raise _fail("record belongs to another namespace", "namespace")
+    if chunk is not None:
+        if header.key != chunk.digest:
+            raise _fail("record key digest does not match the requested key", "key")
+        if header.start != chunk.start or header.partial != chunk.partial or header.num_tokens != chunk.num_tokens:
+            raise _fail(f"record covers tokens from {header.start} ({header.num_tokens}, partial={header.partial}), "
+                        f"expected chunk {chunk.start}..{chunk.end}", "tokens")
+    if tokens is not None and header.tokens != tokens_to_array(tokens).tobytes():
+        raise _fail("record token ids differ from the requested prefix", "tokens")
+    if dtype is not None and header.dtype != dtype:
+        raise _fail(f"record dtype {header.dtype} differs from expected {dtype}", "shape")
+    if shapes is not None and header.shapes != tuple(tuple(int(d) for d in s) for s in shapes):
+        raise _fail(f"record shapes {list(header.shapes)} differ from expected", "shape")
+    payload = view[len(view) - header.payload_len:]
+    if xxhash.xxh3_64_digest(payload) != header.checksum:
+        raise _fail("record payload checksum mismatch", "checksum")
+    body = payload[:header.payload_len - header.hidden_len]
+    hidden = payload[header.payload_len - header.hidden_len:] if header.hidden_len else None
+    if header.codecs:
+        kv = codecs.decode(header.codecs, body, header.raw_len, out)
+    else:
+        if len(body) != header.raw_len:
+            raise _fail("uncompressed payload length mismatch", "header")
+        if out is not None:
+            if len(out) != header.raw_len:
+                raise ValueError(f"out buffer has {len(out)} bytes, record payload has {header.raw_len}")
+            out[:] = body
+            kv = out
+        else:
+            kv = body
+    return Record(header, kv, hidden)

@@ -1,0 +1,165 @@
+"""The private parts of redis-py that the Redis store relies on, in one place.
+
+redis-py copies every large value before sending it and reads every reply through a growing
+buffer; the Redis store avoids both, which needs three things redis-py does not promise:
+
+* ``AbstractConnection._construct_command_packer`` (the hook that picks the command packer) and
+  the connection's ``_buffer_cutoff`` and ``encoder``: ``ZeroCopyPacker`` sends large
+  arguments as they are;
+* ``Connection._sock``, the connected socket: ``DirectReplies`` reads GET replies from it
+  straight into buffers of their final size;
+* ``PythonRespSerializer`` and ``HiredisRespSerializer`` in ``redis.connection``.
+
+``check_redis_py()`` verifies all of them and names what is missing; the store calls it when it
+first connects and ``tests/test_redis_hooks.py`` runs it against the installed redis-py, so an
+upgrade that changes them fails loudly instead of silently losing speed or correctness.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import redis
+from redis.connection import PythonRespSerializer
+
+from kvstore.types import Buffer
+
+try:  # hiredis packs small commands faster than Python; redis-py works without it
+    from redis.connection import HiredisRespSerializer
+    from redis.utils import HIREDIS_AVAILABLE
+except ImportError:  # pragma: no cover - older redis-py
+    HIREDIS_AVAILABLE = False
+
+__all__ = ["Connection", "SSLConnection", "UnixConnection", "DirectReplies", "ZeroCopyPacker", "wire",
+           "raw_socket", "check_redis_py", "HUGE_VALUE"]
+
+#: Values at least this large are received into numpy buffers (transparent huge pages).
+HUGE_VALUE = 1 << 20
+
+
+def check_redis_py() -> None:
+    """``RuntimeError`` naming what is missing unless redis-py still has the parts used here."""
+    missing = []
+    base = getattr(redis.connection, "AbstractConnection", None)
+    if base is None or not callable(getattr(base, "_construct_command_packer", None)):
+        missing.append("redis.connection.AbstractConnection._construct_command_packer")
+    probe = redis.Connection()
+    for attr in ("_buffer_cutoff", "encoder", "_sock", "pack_commands", "send_packed_command", "disconnect"):
+        if not hasattr(probe, attr):
+            missing.append(f"redis.Connection.{attr}")
+    if not callable(getattr(PythonRespSerializer, "pack", None)):
+        missing.append("redis.connection.PythonRespSerializer.pack")
+    if missing:
+        raise RuntimeError(f"redis-py {redis.__version__} lacks what kvstore's Redis store uses: "
+                           + ", ".join(missing) + "; pin redis to a version kvstore supports")
+
+
+def raw_socket(conn: Any) -> Any:
+    """The connected socket of a redis-py connection (``ConnectionError`` if it has none)."""
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        raise redis.exceptions.ConnectionError("connection has no socket")
+    return sock
+
+
+class ZeroCopyPacker:
+    """Packs commands for the wire; large arguments are sent as they are, never joined.
+
+    Small commands (lookups, deletes) go through hiredis' C packer. A command with an argument
+    over the cutoff is packed as a list ``[header, value, CRLF+next header, ...]`` whose value
+    pieces are the caller's own buffers: the connection ``sendall``s them one by one.
+    """
+
+    def __init__(self, buffer_cutoff: int, encode: Any) -> None:
+        self._cutoff = buffer_cutoff
+        self._python = PythonRespSerializer(buffer_cutoff, encode)
+        self._small = HiredisRespSerializer() if HIREDIS_AVAILABLE else self._python
+
+    def pack(self, *args: Any) -> list:
+        cutoff = self._cutoff
+        for arg in args:
+            if isinstance(arg, (bytes, bytearray, memoryview)) and len(arg) > cutoff:
+                return self._python.pack(*args)
+        return self._small.pack(*args)
+
+
+class _PackerMixin:
+    def _construct_command_packer(self, packer: Any) -> Any:
+        return packer if packer is not None else ZeroCopyPacker(self._buffer_cutoff, self.encoder.encode)
+
+
+class Connection(_PackerMixin, redis.Connection):
+    pass
+
+
+class SSLConnection(_PackerMixin, redis.SSLConnection):
+    pass
+
+
+class UnixConnection(_PackerMixin, redis.UnixDomainSocketConnection):
+    pass
+
+
+def wire(value: Buffer) -> bytes | memoryview:
+    """``value`` as a byte-addressed buffer whose ``len`` is its size in bytes (RESP needs that)."""
+    if isinstance(value, bytes):
+        return value
+    view = memoryview(value)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class DirectReplies:
+    """Reads GET replies (RESP2 or RESP3) from a socket straight into buffers of their final size.
+
+    redis-py hands every reply to hiredis, whose buffer grows by reallocation and is then copied
+    into a new ``bytes``: three copies of a 32 MiB value. Here the bulk header is parsed and the
+    value is received with ``recv_into`` into one new buffer: one write per byte. Values come back
+    as memoryviews of that buffer (the caller owns it). Only used right
+    after sending GETs on a connection whose parser holds nothing (request/response order).
+    """
+
+    _HEADER_READ = 1 << 16
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+
+    def _fill(self) -> None:
+        chunk = self._sock.recv(self._HEADER_READ)
+        if not chunk:
+            raise redis.exceptions.ConnectionError("server closed the connection mid-reply")
+        self._buf += chunk
+
+    def _line(self) -> bytes:
+        while (end := self._buf.find(b"\r\n")) < 0:
+            self._fill()
+        line = bytes(self._buf[:end])
+        del self._buf[:end + 2]
+        return line
+
+    def value(self) -> memoryview | None:
+        line = self._line()
+        kind = line[:1]
+        if kind == b"_" or line == b"$-1":
+            return None
+        if kind == b"-":
+            raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
+        if kind != b"$":
+            raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:40]!r}")
+        size = int(line[1:])
+        # A fresh buffer over glibc's mmap threshold page-faults per 4 KiB page (about 0.4 GB/s
+        # here for 32 MiB); numpy asks the kernel for transparent huge pages: about 2x faster.
+        view = memoryview(np.empty(size, dtype=np.uint8) if size >= HUGE_VALUE else bytearray(size))
+        have = min(size, len(self._buf))
+        view[:have] = self._buf[:have]
+        del self._buf[:have]
+        while have < size:
+            n = self._sock.recv_into(view[have:])
+            if not n:
+                raise redis.exceptions.ConnectionError("server closed the connection mid-value")
+            have += n
+        while len(self._buf) < 2:  # the CRLF after the value
+            self._fill()
+        del self._buf[:2]
+        return view

@@ -1,0 +1,111 @@
+"""Which backend serves which URL scheme: the one table of schemes (``BACKENDS``).
+
+Backends are named as ``"module:Class"`` and imported on first use, so a missing optional
+client (redis-py, boto3) only matters to users of that scheme. Third-party backends add
+themselves with ``register_backend``. The configuration reference (``kvstore.docs``) is
+generated from this table.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from kvstore.config import redact_url
+from kvstore.errors import ConfigError
+from kvstore.stores.base import Store
+
+__all__ = ["Backend", "BACKENDS", "register_backend", "known_schemes", "backend_class", "open_backend"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One store backend: the class serving ``schemes``, its options class and how to install it."""
+
+    title: str
+    schemes: tuple[str, ...]
+    target: str
+    #: Its options dataclass (``"module:Class"``), for the configuration reference.
+    config: str = ""
+    #: The ``pip install 'kvstore[extra]'`` that brings its client library ("" if none is needed).
+    extra: str = ""
+    #: URL forms, for the configuration reference.
+    forms: tuple[str, ...] = ()
+    notes: str = ""
+    #: Options that come from the URL's host or path rather than its query.
+    url_fields: tuple[str, ...] = field(default=())
+
+
+BACKENDS: list[Backend] = [
+    Backend("Memory", ("memory",), "kvstore.stores.memory:MemoryStore", "kvstore.stores.memory:MemoryConfig",
+            forms=("memory://?max_bytes=8GiB",), notes="Private to the process: the fastest tier of one replica."),
+    Backend("File", ("file",), "kvstore.stores.file:FileStore", "kvstore.stores.file:FileConfig",
+            forms=("file:///var/cache/kvstore?max_bytes=100GiB",), url_fields=("path",),
+            notes="The path must be absolute; several processes on one host may share the directory."),
+    Backend("Redis", ("redis", "rediss", "unix"), "kvstore.stores.redis:RedisStore",
+            "kvstore.stores.redis:RedisConfig", extra="redis",
+            forms=("redis://[user:password@]host[:port][/db]?ttl=1h",
+                   "rediss://[user:password@]host[:port][/db]?ca_certs=/path/ca.pem (TLS)",
+                   "unix://[user:password@]/path/to/redis.sock?db=0"),
+            notes="The password is part of the URL (percent-encode special characters); `redact_url` hides it "
+                  "in logs. `db` may also be given as the URL path (`/0`). Values are written with `SET ... PX ttl` "
+                  "when `ttl` is set; run Redis with `maxmemory` and `maxmemory-policy allkeys-lru`. "
+                  "Valkey servers are served the same way."),
+    Backend("Redis Cluster", ("redis+cluster", "rediss+cluster"), "kvstore.stores.redis:RedisClusterStore",
+            "kvstore.stores.redis:RedisConfig", extra="redis",
+            forms=("redis+cluster://[user:password@]host:port[,host:port...]?ttl=1h", "rediss+cluster://... (TLS)"),
+            notes="Same options as Redis; a cluster has only database 0. Startup nodes are listed in the "
+                  "host part, comma-separated."),
+    Backend("S3", ("s3",), "kvstore.stores.s3:S3Store", "kvstore.stores.s3:S3Config", extra="s3",
+            forms=("s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000&region=us-east-1",),
+            notes="Credentials never go in the URL: boto3's standard chain provides them (`AWS_ACCESS_KEY_ID` / "
+                  "`AWS_SECRET_ACCESS_KEY`, `~/.aws`, `?profile=`, instance roles). The URL path is the key prefix."),
+]
+
+
+def register_backend(backend: Backend) -> None:
+    """Serve ``backend.schemes`` with ``backend.target`` (replacing what served them before)."""
+    taken = set(backend.schemes)
+    BACKENDS[:] = [b for b in BACKENDS if not taken & set(b.schemes)] + [backend]
+
+
+def _find(scheme: str) -> Backend | None:
+    return next((b for b in BACKENDS if scheme in b.schemes), None)
+
+
+def known_schemes() -> list[str]:
+    return sorted(s for b in BACKENDS for s in b.schemes)
+
+
+def _accepted() -> str:
+    return ", ".join(s + "://" for s in known_schemes())
+
+
+def backend_class(scheme: str) -> type[Store]:
+    """The store class serving ``scheme``; ``ConfigError`` if none does or its client is missing."""
+    backend = _find(scheme)
+    if backend is None:
+        raise ConfigError(f"unknown store scheme {scheme + '://'!r}; accepted: {_accepted()}")
+    module_name, _, class_name = backend.target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        hint = f"; install it with: pip install 'kvstore[{backend.extra}]'" if backend.extra else ""
+        raise ConfigError(f"the {scheme}:// store needs a package that is not installed ({exc}){hint}") from exc
+    cls: type[Store] = getattr(module, class_name)
+    return cls
+
+
+def open_backend(url: str) -> Store:
+    """The single store ``url`` names (``open_store`` also builds tiered stores from lists)."""
+    if not isinstance(url, str):
+        raise ConfigError(f"a store URL must be a string, got {type(url).__name__}")
+    if "://" not in url:
+        raise ConfigError(f"store URL {redact_url(url)!r} has no scheme; accepted: {_accepted()}")
+    try:
+        scheme = urlsplit(url).scheme.lower()
+    except ValueError as exc:
+        raise ConfigError(f"store URL {redact_url(url)!r} is not valid: {exc}") from exc
+    store: Store = backend_class(scheme).from_url(url)  # type: ignore[attr-defined]
+    return store
