@@ -17,7 +17,7 @@ The public surface, by layer (``docs/architecture.md`` draws them):
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore._version import FORMAT_VERSION, __version__
 from kvstore.connectors.agent.config import AgentConfig
@@ -26,6 +26,10 @@ from kvstore.keys import ChunkKey, Namespace, chunk_keys
 from kvstore.prefix_cache import ChunkPayload, LoadResult, PrefixCache
 from kvstore.record import Record, RecordHeader, decode_record, encode_record, read_header
 from kvstore.stores import Store, TieredStore, WrapperStore, open_store, register_backend
+
+if TYPE_CHECKING:  # what __getattr__ loads, for type checkers
+    from kvstore.connectors.agent.agent import KVStoreAgent
+    from kvstore.paged import KVTransfer, get_layout
 
 # Names that import torch: resolved on first use, so ``import kvstore`` stays light.
 _LAZY = {

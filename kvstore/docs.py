@@ -18,6 +18,7 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def _cell(text: str) -> str:
 
 
 def _type_name(cls: type, f: dataclasses.Field[Any]) -> str:
-    kind = f.metadata.get("kind") if f.metadata else None
+    kind: str | None = f.metadata.get("kind") if f.metadata else None
     if kind in ("size", "duration"):
         return kind
     if kind == "urls":
@@ -99,7 +100,7 @@ def options_table(cls: type, *, skip: tuple[str, ...] = (), required: tuple[str,
     """Markdown rows ``| name | type | default | meaning |`` for the settable fields of ``cls``."""
     rows = ["| option | type | default | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(cls):
-        meta = f.metadata or {}
+        meta: Mapping[str, Any] = f.metadata or {}
         if not f.init or meta.get("internal") or f.name in skip:
             continue
         help_text = meta.get("help", "")

@@ -28,6 +28,7 @@ import numpy as np
 
 from kvstore._version import FORMAT_VERSION
 from kvstore.errors import ConfigError
+from kvstore.types import array_view
 
 __all__ = ["FORMAT_VERSION", "KEY_PREFIX", "Namespace", "ChunkKey", "chunk_keys", "tokens_to_array",
            "check_chunk_tokens", "split_key", "namespace_prefix", "TokenIds"]
@@ -172,7 +173,7 @@ def chunk_keys(namespace: Namespace, tokens: TokenIds, *,
     prefix = namespace.key_prefix
     h = hashlib.sha256(b"kvstore-prefix-v1" + namespace.digest).digest()
     out: list[ChunkKey] = []
-    data = memoryview(arr).cast("B")
+    data = array_view(arr).cast("B")
     for index, start in enumerate(range(0, n, step)):
         if max_chunks is not None and index >= max_chunks:
             break

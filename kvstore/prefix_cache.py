@@ -172,7 +172,7 @@ class PrefixCache:
         start = time.perf_counter()
         first = self.lookup(keys) if skip_stored else 0
         arr = tokens_to_array(tokens)
-        items: list[tuple[str, bytes]] = []
+        items: list[tuple[str, Buffer]] = []
         for chunk in keys[first:]:
             p = payload(chunk)
             record = encode_record(

@@ -34,7 +34,7 @@ from kvstore.record import decode_record, read_header
 
 # -- stats ----------------------------------------------------------------------------------------
 def cmd_stats(args: argparse.Namespace) -> int:
-    report = []
+    report: list[dict[str, Any]] = []
     with open_tiers(args) as tiers:
         for tier in tiers:
             groups: dict[str, dict[str, int]] = {}
@@ -185,7 +185,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 1 if problem is not None else 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("stats", help="records and bytes per namespace and per tier")
     add_common_options(p)
     p.set_defaults(func=cmd_stats)

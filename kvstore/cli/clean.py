@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore.cli import tiers as tier_io
 from kvstore.cli.tiers import (
@@ -36,7 +37,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     if not args.namespace and not args.keys:
         raise ConfigError("kvstore rm needs --namespace ID or one or more KEYs")
     prefix = namespace_prefix(args.namespace) if args.namespace else None
-    report = []
+    report: list[dict[str, Any]] = []
     with open_tiers(args) as tiers:
         for tier in tiers:
             records = nbytes = removed = 0
@@ -175,7 +176,7 @@ def _delete(tier: Tier, keys: list[str], dry_run: bool) -> None:
             tier.store.delete_many(keys)
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("rm", help="remove a namespace (or given keys) from every tier")
     add_common_options(p)
     p.add_argument("keys", nargs="*", metavar="KEY", help="record keys to remove")

@@ -24,7 +24,7 @@ from typing import Any
 from kvstore.cli.common import add_store_option
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="two engine replicas share a store: the second loads what the first computed")
     add_store_option(p)
     p.set_defaults(store=None)

@@ -12,12 +12,14 @@ import time
 import numpy as np
 
 from kvstore.cli.common import add_store_option, store_urls
-from kvstore.keys import Namespace
+from kvstore.keys import ChunkKey, Namespace
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.record import Record
 from kvstore.stores import open_store
+from kvstore.types import array_view
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("selftest", help="save and load a synthetic KV prefix through a store")
     add_store_option(p)
     p.add_argument("--tokens", type=int, default=1000, help="prompt length (default 1000)")
@@ -37,9 +39,9 @@ def run(args: argparse.Namespace) -> int:
     cache = PrefixCache(store, ns, codec=args.codec)
     keys = cache.keys(tokens)
     try:
-        def payload(c):
+        def payload(c: ChunkKey) -> ChunkPayload:
             part = np.ascontiguousarray(kv[:, :, c.start:c.end])
-            return ChunkPayload(shapes=[part.shape[1:]] * args.layers, kv=part)
+            return ChunkPayload(shapes=[part.shape[1:]] * args.layers, kv=array_view(part))
 
         t0 = time.perf_counter()
         written = cache.save(tokens, keys, payload)
@@ -49,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         found = cache.lookup_tokens(keys)
         out = np.zeros_like(kv)
 
-        def sink(c, record):
+        def sink(c: ChunkKey, record: Record) -> None:
             out[:, :, c.start:c.end] = np.frombuffer(record.kv, np.float16).reshape(out[:, :, c.start:c.end].shape)
 
         t2 = time.perf_counter()

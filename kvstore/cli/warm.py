@@ -17,16 +17,16 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 from kvstore.cli.common import add_store_option, store_urls
 from kvstore.errors import ConfigError
-from kvstore.warm import Tokenizer, WarmEngine, WarmSummary, iter_prompts, warm
+from kvstore.warm import BadLine, Prompt, Tokenizer, WarmEngine, WarmSummary, iter_prompts, warm
 
 log = logging.getLogger(__name__)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("warm", help="write the KV of prompts from a JSONL file into a store (offline cache warming)",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("prompts", metavar="PROMPTS.jsonl", help='one {"prompt_token_ids": [...]} or {"text": "..."} per line; - for stdin')
@@ -64,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _json_option(text: str | None, name: str) -> dict:
+def _json_option(text: str | None, name: str) -> dict[str, Any]:
     if not text:
         return {}
     try:
@@ -125,7 +125,7 @@ def count_lines(path: str) -> int | None:
     return n
 
 
-def format_summary(s: WarmSummary, engine: dict) -> str:
+def format_summary(s: WarmSummary, engine: dict[str, Any]) -> str:
     from kvstore.cli.tiers import human_bytes
 
     d = s.to_dict()
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
     engine = build_engine(args)
     try:
-        items: Iterator = iter_prompts(stream, tokenizer=tokenizer)
+        items: Iterator[Prompt | BadLine] = iter_prompts(stream, tokenizer=tokenizer)
         summary = warm(items, engine, progress=progress,
                        total=count_lines(args.prompts) if progress == "bar" else None,
                        max_consecutive_failures=args.max_failures, on_problem=problem)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Iterable
+from typing import Any, TypeVar
 
 # Latency buckets in seconds: 100 us .. 30 s.
 DEFAULT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                    0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_M = TypeVar("_M", bound="_Metric")
 
 
 def _label_key(labelnames: tuple[str, ...], labels: dict[str, str]) -> tuple[str, ...]:
@@ -44,8 +47,8 @@ class _Metric:
 class Counter(_Metric):
     kind = "counter"
 
-    def __init__(self, *a, **k) -> None:
-        super().__init__(*a, **k)
+    def __init__(self, name: str, help: str, labelnames: tuple[str, ...] = ()) -> None:
+        super().__init__(name, help, labelnames)
         self._values: dict[tuple[str, ...], float] = {}
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
@@ -81,7 +84,7 @@ class Histogram(_Metric):
                  buckets: tuple[float, ...] = DEFAULT_BUCKETS) -> None:
         super().__init__(name, help, labelnames)
         self.buckets = tuple(sorted(buckets))
-        self._data: dict[tuple[str, ...], list] = {}  # key -> [bucket counts..., sum, count]
+        self._data: dict[tuple[str, ...], list[float]] = {}  # key -> [bucket counts..., sum, count]
 
     def observe(self, value: float, **labels: str) -> None:
         key = _label_key(self.labelnames, labels)
@@ -97,14 +100,14 @@ class Histogram(_Metric):
 
     def count(self, **labels: str) -> int:
         d = self._data.get(_label_key(self.labelnames, labels))
-        return 0 if d is None else d[-1]
+        return 0 if d is None else int(d[-1])
 
     def render(self) -> list[str]:
         out = self.header()
         with self._lock:
             items = sorted((k, list(v)) for k, v in self._data.items())
         for key, d in items:
-            cumulative = 0
+            cumulative: float = 0
             for bound, n in zip(self.buckets, d):
                 cumulative += n
                 le = f'le="{bound:g}"'
@@ -121,7 +124,7 @@ class Registry:
         self._metrics: dict[str, _Metric] = {}
         self._lock = threading.Lock()
 
-    def _get(self, cls: type, name: str, help: str, labelnames: tuple[str, ...], **kw) -> _Metric:
+    def _get(self, cls: type[_M], name: str, help: str, labelnames: tuple[str, ...], **kw: Any) -> _M:
         with self._lock:
             m = self._metrics.get(name)
             if m is None:
@@ -131,14 +134,14 @@ class Registry:
             return m
 
     def counter(self, name: str, help: str, labelnames: Iterable[str] = ()) -> Counter:
-        return self._get(Counter, name, help, tuple(labelnames))  # type: ignore[return-value]
+        return self._get(Counter, name, help, tuple(labelnames))
 
     def gauge(self, name: str, help: str, labelnames: Iterable[str] = ()) -> Gauge:
-        return self._get(Gauge, name, help, tuple(labelnames))  # type: ignore[return-value]
+        return self._get(Gauge, name, help, tuple(labelnames))
 
     def histogram(self, name: str, help: str, labelnames: Iterable[str] = (),
                   buckets: tuple[float, ...] = DEFAULT_BUCKETS) -> Histogram:
-        return self._get(Histogram, name, help, tuple(labelnames), buckets=buckets)  # type: ignore[return-value]
+        return self._get(Histogram, name, help, tuple(labelnames), buckets=buckets)
 
     def render(self) -> str:
         with self._lock:

@@ -66,7 +66,7 @@ def _whole_blocks(slots: np.ndarray, block_size: int) -> np.ndarray | None:
     if slots.size == 0 or slots.size % block_size:
         return None
     starts = slots.reshape(-1, block_size) - _offsets(block_size)  # rows are constant for whole blocks
-    first = starts[:, 0]
+    first: np.ndarray = starts[:, 0]
     if (first % block_size).any() or not (starts == first[:, None]).all():
         return None
     return first // block_size
@@ -97,7 +97,9 @@ def host_copy(layers: Sequence[HostLayer], slots: torch.Tensor, staging: np.ndar
     shape = (len(layers), *items.shape[:-1], n_items, items.dtype.itemsize)
     if staging.size != math.prod(shape):
         raise ValueError(f"staging of {staging.size} bytes does not hold {n} slots of {len(layers)} layers")
-    staged = np_items(staging.reshape(shape))[..., skip_items:]
+    staged_items = np_items(staging.reshape(shape))
+    assert staged_items is not None  # staging is flat bytes: its reshape's last axis is contiguous
+    staged = staged_items[..., skip_items:]
     for layer, part in zip(layers, staged):
         cache_items = getattr(layer, kind)
         pairs = zip(cache_items, part) if cache_items.ndim == 2 else ((cache_items, part),)

@@ -111,7 +111,7 @@ class _TokenLayout(PagedLayout):
         nslots = b.shape[self._lead] * b.shape[self._lead + 1]
         return try_view(b, (*lead, nslots, -1))
 
-    def _pair(self, cache: torch.Tensor, staging: torch.Tensor, n: int):
+    def _pair(self, cache: torch.Tensor, staging: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows = self._rows(cache)
         if rows is None:
             return None
@@ -247,7 +247,7 @@ class CPUPackedLayout(PagedLayout):
                 raise ValueError(f"{self.name} copies whole blocks: slots must cover whole blocks in order")
         return ids
 
-    def _pages(self, cache: torch.Tensor, staging: torch.Tensor):
+    def _pages(self, cache: torch.Tensor, staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         pages = try_view(cache, (cache.shape[0], -1))
         if pages is None:
             return cache, staging

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvstore.types import array_view
+
 __all__ = ["dtype_name", "slots_from_block_table", "try_view", "as_int64", "tensor_bytes"]
 
 
@@ -48,4 +50,4 @@ def as_int64(t: torch.Tensor) -> torch.Tensor | None:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor as a flat memoryview (a copy only if ``t`` is not contiguous)."""
-    return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+    return array_view(t.contiguous().view(-1).view(torch.uint8).numpy())

@@ -24,6 +24,7 @@ from kvstore.paged.staging import StagingPool
 from kvstore.paged.tensors import dtype_name, tensor_bytes
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.record import Record
+from kvstore.types import Buffer
 
 __all__ = ["KVTransfer"]
 
@@ -73,7 +74,8 @@ class KVTransfer:
         self.pool = StagingPool(pin=self.on_cuda)
         # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
         self._host = host_layers([self.layout.host_layer(c) for c in self.kv_caches]) if self.device.type == "cpu" else None
-        self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None
+        # torch leaves torch.cuda.Stream's constructor unannotated.
+        self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
 
     # -- helpers ---------------------------------------------------------------------------
     def usable_tokens(self, num_tokens: int) -> int:
@@ -141,12 +143,14 @@ class KVTransfer:
         n = slots.numel()
         host = self._staging(n)
         if not self.on_cuda:
-            if self._host is None or not host_copy(self._host, slots, host_bytes(host), False):
+            staging = host_bytes(host) if self._host is not None else None
+            if self._host is None or staging is None or not host_copy(self._host, slots, staging, False):
                 for layer, cache in enumerate(self.kv_caches):
                     self.layout.gather(cache, slots, host[layer])
             return host
         dev = self._staging(n, device_side=True)
         stream = self._stream
+        assert stream is not None  # built with the transfer on CUDA
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for layer, cache in enumerate(self.kv_caches):
@@ -188,6 +192,7 @@ class KVTransfer:
         result = self.cache.load(arr[:keys[-1].end], keys, sink,
                                  shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace)
         if self.on_cuda:
+            assert self._stream is not None  # built with the transfer on CUDA
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         hidden = None
         rec = result.last_record
@@ -204,7 +209,7 @@ class KVTransfer:
         axis = next(i for i, (a, b) in enumerate(zip(full, rest)) if a != b)
         return staging.narrow(axis, full[axis] - rest[axis], rest[axis]).contiguous()
 
-    def _scatter(self, slots: torch.Tensor, kv: memoryview | bytes, skip: int = 0) -> None:
+    def _scatter(self, slots: torch.Tensor, kv: Buffer, skip: int = 0) -> None:
         n = slots.numel()
         # On the CPU, straight from the record's bytes (numpy items have no alignment needs).
         if self._host is not None and host_copy(self._host, slots, np.frombuffer(kv, dtype=np.uint8), True, skip):
@@ -225,6 +230,7 @@ class KVTransfer:
         dev = self._staging(n, device_side=True)
         # As in _gather: work already queued on the compute stream (on these blocks, or on the
         # memory the allocator just handed ``dev``) must finish before the side stream writes.
+        assert self._stream is not None  # built with the transfer on CUDA
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             dev.copy_(host, non_blocking=True)

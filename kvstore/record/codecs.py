@@ -13,11 +13,12 @@ is a per-deployment choice for slow tiers (S3).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 
 from kvstore.errors import ConfigError, CorruptRecordError
-from kvstore.types import Buffer
+from kvstore.types import Buffer, array_view
 
 #: User-facing names of codec chains (``codec=`` option) -> the chain recorded in headers.
 #: ``shuffle`` picks the element size from the record's dtype.
@@ -62,7 +63,7 @@ def validate_chain(chain: Sequence[str]) -> None:
             raise CorruptRecordError(f"unknown codec {step!r}", "codec")
 
 
-def _zstd():
+def _zstd() -> ModuleType:
     try:
         import zstandard
     except ImportError as exc:
@@ -92,14 +93,14 @@ def _unshuffle(data: Buffer, itemsize: int, out: memoryview | None) -> Buffer:
         np.bitwise_or(words, planes[0], out=words)
     else:
         target.reshape(-1, itemsize)[...] = planes.T
-    return target if out is None else out
+    return array_view(target) if out is None else out
 
 
 def encode(chain: Sequence[str], data: Buffer) -> Buffer:
     """Apply ``chain`` to ``data``; returns ``data`` itself for the empty chain."""
     for step in chain:
         if step.startswith("shuffle"):
-            data = _shuffle(data, int(step[7:]))
+            data = array_view(_shuffle(data, int(step[7:])))
         elif step == "lz4":
             import lz4.block
 

@@ -17,7 +17,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +143,7 @@ class FileStore(Store):
                 if key.startswith(prefix):
                     yield key
 
-    def size_many(self, keys):  # type: ignore[override]
+    def size_many(self, keys: Sequence[str]) -> list[int | None]:
         out: list[int | None] = []
         for k in keys:
             try:

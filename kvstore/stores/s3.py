@@ -32,7 +32,7 @@ from botocore.config import Config as BotoConfig
 
 from kvstore.config import build, option, query_options, redact_url
 from kvstore.errors import ConfigError, StoreUnavailableError
-from kvstore.stores.base import Buffer, Store
+from kvstore.stores.base import Buffer, Store, Value
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -174,7 +174,8 @@ class S3Store(Store):
         try:
             # botocore checks the length read against Content-Length: a cut transfer raises
             # (below) instead of returning part of a record.
-            return response["Body"].read()
+            body: bytes = response["Body"].read()
+            return body
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
             raise self._unavailable(exc) from exc
         except Exception as exc:  # urllib3 protocol errors while streaming the body
@@ -212,7 +213,7 @@ class S3Store(Store):
             raise self._unavailable(exc) from exc
 
     # -- batch forms: parallel requests ----------------------------------------------------------
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return self._map(self.get, list(keys))
 
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:

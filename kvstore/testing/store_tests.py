@@ -14,6 +14,13 @@ import threading
 from kvstore.stores.base import Store
 
 
+def _value(store: Store, key: str) -> bytes:
+    """``store.get(key)`` as bytes; the key must be present."""
+    value = store.get(key)
+    assert value is not None, f"{key} is missing"
+    return bytes(value)
+
+
 class StoreTests:
     """Conformance tests. Subclasses define a ``store`` fixture yielding an empty store."""
 
@@ -33,7 +40,7 @@ class StoreTests:
 
     def test_put_then_get(self, store: Store) -> None:
         store.put("kvs1/test/a", b"hello")
-        assert bytes(store.get("kvs1/test/a")) == b"hello"
+        assert _value(store, "kvs1/test/a") == b"hello"
         assert store.exists("kvs1/test/a")
         assert self.bypass_get(store, "kvs1/test/a") == b"hello"
 
@@ -42,13 +49,13 @@ class StoreTests:
         store.put("kvs1/test/ba", buf)
         store.put("kvs1/test/mv", memoryview(buf)[2:6])
         buf[:] = b"xxxxxxxxxx"  # callers may reuse their buffers once put returns
-        assert bytes(store.get("kvs1/test/ba")) == b"0123456789"
-        assert bytes(store.get("kvs1/test/mv")) == b"2345"
+        assert _value(store, "kvs1/test/ba") == b"0123456789"
+        assert _value(store, "kvs1/test/mv") == b"2345"
 
     def test_overwrite(self, store: Store) -> None:
         store.put("kvs1/test/k", b"one")
         store.put("kvs1/test/k", b"two!")
-        assert bytes(store.get("kvs1/test/k")) == b"two!"
+        assert _value(store, "kvs1/test/k") == b"two!"
 
     def test_empty_value(self, store: Store) -> None:
         store.put("kvs1/test/empty", b"")
@@ -64,18 +71,18 @@ class StoreTests:
     def test_large_value_roundtrip(self, store: Store) -> None:
         value = os.urandom(self.large_value_bytes)
         store.put("kvs1/test/large", value)
-        assert bytes(store.get("kvs1/test/large")) == value
+        assert _value(store, "kvs1/test/large") == value
 
     def test_value_written_directly_is_read(self, store: Store) -> None:
         self.bypass_put(store, "kvs1/test/planted", b"planted")
-        assert bytes(store.get("kvs1/test/planted")) == b"planted"
+        assert _value(store, "kvs1/test/planted") == b"planted"
 
     # -- batch forms ----------------------------------------------------------------------------
     def test_put_many_get_many(self, store: Store) -> None:
         items = [(f"kvs1/test/m{i}", os.urandom(100 + i)) for i in range(20)]
         store.put_many(items)
         got = store.get_many([k for k, _ in items] + ["kvs1/test/absent"])
-        assert [bytes(g) for g in got[:-1]] == [v for _, v in items]
+        assert [g if g is None else bytes(g) for g in got[:-1]] == [v for _, v in items]
         assert got[-1] is None
 
     def test_get_many_empty(self, store: Store) -> None:

@@ -25,7 +25,8 @@ class ReferenceWarmEngine(WarmEngine):
     name = "reference"
 
     def __init__(self, store: str | Sequence[str], *, preset: str = "tiny", config: Any = None,
-                 chunk_tokens: int | None = None, codec: str = "raw", store_options: dict | None = None) -> None:
+                 chunk_tokens: int | None = None, codec: str = "raw",
+                 store_options: dict[str, Any] | None = None) -> None:
         if config is None:
             if preset not in PRESETS:
                 raise ConfigError(f"--preset {preset!r} is not known; accepted: {', '.join(PRESETS)}")
@@ -34,7 +35,7 @@ class ReferenceWarmEngine(WarmEngine):
         urls = [store] if isinstance(store, str) else list(store)
         # Without an explicit chunk size, use the agent's own default: a serving replica built
         # with default settings must find what this writes.
-        sizing = {"chunk_tokens": chunk_tokens} if chunk_tokens else {}
+        sizing: dict[str, Any] = {"chunk_tokens": chunk_tokens} if chunk_tokens else {}
         agent_config = AgentConfig(store=tuple(urls), model=config.name, model_fingerprint=config.fingerprint,
                                    codec=codec, **sizing)
         self._store = CountingStore(TieredStore.from_urls(urls, **(store_options or {})))

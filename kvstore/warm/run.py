@@ -229,8 +229,11 @@ class _Run:
                 while len(pending) >= 2 * n:  # bounded memory: at most 2 x concurrency in flight
                     _, pending = wait(pending, return_when=FIRST_COMPLETED)
                 fut = pool.submit(self.run_one, prompt)
-                fut.add_done_callback(lambda f, p=prompt: self.finish(
-                    p, None if f.exception() else f.result(), f.exception()))
+
+                def done(f: Future[tuple[str, int]], p: Prompt = prompt) -> None:
+                    self.finish(p, None if f.exception() else f.result(), f.exception())
+
+                fut.add_done_callback(done)
                 pending.add(fut)
             wait(pending)
 

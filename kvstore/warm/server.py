@@ -60,7 +60,8 @@ class ServerWarmEngine(WarmEngine):
         if self.api_key:
             req.add_header("Authorization", f"Bearer {self.api_key}")
         with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-            return json.loads(resp.read() or b"{}")
+            reply: dict[str, Any] = json.loads(resp.read() or b"{}")
+            return reply
 
     def _first_model(self) -> str:
         try:
@@ -96,7 +97,7 @@ class ServerWarmEngine(WarmEngine):
 def _http_reason(exc: BaseException) -> str:
     """A short reason from an HTTP error: the server's own message when it sent one."""
     if isinstance(exc, urllib.error.HTTPError):
-        detail = ""
+        detail: object = ""
         try:
             payload = json.loads(exc.read() or b"{}")
             err = payload.get("error", payload)

@@ -5,9 +5,13 @@ names are loaded on first use."""
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvstore.connectors.agent.config import AgentConfig
+
+if TYPE_CHECKING:  # what __getattr__ loads, for type checkers
+    from kvstore.connectors.agent.agent import AgentStats, KVStoreAgent
+    from kvstore.connectors.agent.batch import rebuild_model_input
 
 _LAZY = {"KVStoreAgent": "agent", "AgentStats": "agent", "rebuild_model_input": "batch"}
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,7 +44,7 @@ from kvstore.connectors.agent.batch import PrefillSeq, prefill_sequences, rebuil
 from kvstore.connectors.agent.config import AgentConfig
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
-from kvstore.paged import KVTransfer, dtype_name, get_layout
+from kvstore.paged import KVTransfer, PagedLayout, dtype_name, get_layout
 from kvstore.prefix_cache import PrefixCache
 from kvstore.stores import Store, TieredStore
 
@@ -73,13 +73,15 @@ class KVStoreAgent:
         self.store = store
         self._role = self.config.parsed_role
         self.stats = AgentStats()
-        self._transfers: dict[tuple, KVTransfer] = {}
+        # (start layer, end layer, first cache's address, shape, dtype, number of caches) -> transfer
+        self._transfers: dict[tuple[int, int, int, tuple[int, ...], torch.dtype, int], KVTransfer] = {}
         self._rebuilt: tuple[Any, list[PrefillSeq], list[int]] | None = None
         self._bypassed: Any = None  # the model_input of the last step recv told to bypass
         self._closed = False
 
     # -- setup ----------------------------------------------------------------------------
-    def namespace(self, kv_caches: Sequence[torch.Tensor], start_layer: int, layout_name: str, block_size: int):
+    def namespace(self, kv_caches: Sequence[torch.Tensor], start_layer: int, layout_name: str,
+                  block_size: int) -> Namespace:
         c = self.config
         return Namespace(
             model=c.model, model_fingerprint=c.model_fingerprint, kv_dtype=dtype_name(kv_caches[0].dtype),
@@ -88,7 +90,7 @@ class KVStoreAgent:
             adapter=c.adapter, cache_salt=c.cache_salt,
         )
 
-    def _layout(self, cache: torch.Tensor):
+    def _layout(self, cache: torch.Tensor) -> PagedLayout:
         if self.config.kv_layout:
             return get_layout(self.config.kv_layout)
         if cache.dim() == 5 and cache.shape[0] == 2:
@@ -146,10 +148,11 @@ class KVStoreAgent:
         full = [s.tokens is not None and n == s.q_end - s.q_start and h is not None
                 for s, n, h in zip(seqs, loaded, hiddens)]
         if int(md.num_decode_tokens) == 0 and all(full):
-            first = hiddens[0]
+            present = cast("list[torch.Tensor]", hiddens)  # all(full): every hidden state is known
+            first = present[0]
             out = torch.zeros((model_input.input_tokens.shape[0], *first.shape), dtype=first.dtype,
                               device=kv_caches[0].device)
-            for s, h in zip(seqs, hiddens):
+            for s, h in zip(seqs, present):
                 out[s.q_end - 1] = h.to(out.device)
             self.stats.bypasses += 1
             self._bypassed = model_input

@@ -17,13 +17,16 @@ upgrade that changes them fails loudly instead of silently losing speed or corre
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis
 from redis.connection import PythonRespSerializer
 
-from kvstore.types import Buffer
+from kvstore.types import Buffer, array_view
+
+if TYPE_CHECKING:
+    from redis._parsers import Encoder
 
 try:  # hiredis packs small commands faster than Python; redis-py works without it
     from redis.connection import HiredisRespSerializer
@@ -44,7 +47,7 @@ def check_redis_py() -> None:
     base = getattr(redis.connection, "AbstractConnection", None)
     if base is None or not callable(getattr(base, "_construct_command_packer", None)):
         missing.append("redis.connection.AbstractConnection._construct_command_packer")
-    probe = redis.Connection()
+    probe = redis.Connection()  # type: ignore[no-untyped-call]  # redis-py leaves Connection.__init__ unannotated
     for attr in ("_buffer_cutoff", "encoder", "_sock", "pack_commands", "send_packed_command", "disconnect"):
         if not hasattr(probe, attr):
             missing.append(f"redis.Connection.{attr}")
@@ -76,15 +79,23 @@ class ZeroCopyPacker:
         self._python = PythonRespSerializer(buffer_cutoff, encode)
         self._small = HiredisRespSerializer() if HIREDIS_AVAILABLE else self._python
 
-    def pack(self, *args: Any) -> list:
+    def pack(self, *args: Any) -> list[Buffer]:
         cutoff = self._cutoff
+        packer: HiredisRespSerializer | PythonRespSerializer = self._small
         for arg in args:
             if isinstance(arg, (bytes, bytearray, memoryview)) and len(arg) > cutoff:
-                return self._python.pack(*args)
-        return self._small.pack(*args)
+                packer = self._python
+                break
+        # redis-py leaves pack() unannotated: it returns the pieces to send, in order.
+        packed: list[Buffer] = packer.pack(*args)
+        return packed
 
 
 class _PackerMixin:
+    # Set by redis-py's connection __init__, in the class this is mixed into.
+    _buffer_cutoff: int
+    encoder: Encoder
+
     def _construct_command_packer(self, packer: Any) -> Any:
         return packer if packer is not None else ZeroCopyPacker(self._buffer_cutoff, self.encoder.encode)
 
@@ -150,7 +161,7 @@ class DirectReplies:
         size = int(line[1:])
         # A fresh buffer over glibc's mmap threshold page-faults per 4 KiB page (about 0.4 GB/s
         # here for 32 MiB); numpy asks the kernel for transparent huge pages: about 2x faster.
-        view = memoryview(np.empty(size, dtype=np.uint8) if size >= HUGE_VALUE else bytearray(size))
+        view = array_view(np.empty(size, dtype=np.uint8)) if size >= HUGE_VALUE else memoryview(bytearray(size))
         have = min(size, len(self._buf))
         view[:have] = self._buf[:have]
         del self._buf[:have]

@@ -39,6 +39,9 @@ _SCAN_COUNT = 1000
 # hiredis; 1 MiB pieces halve the cost of multi-MiB GETs.
 _READ_SIZE = 1 << 20
 
+#: A pipelined command: the client method's name, its arguments and its keyword arguments.
+_Command = tuple[str, tuple[Any, ...], dict[str, Any]]
+
 
 class _RedisStoreBase(Store):
     """Every Redis operation, over whichever redis-py client ``_make_client`` returns."""
@@ -113,7 +116,7 @@ class _RedisStoreBase(Store):
     def _key(self, key: str) -> str:
         return self._prefix + key
 
-    def _pipeline(self, commands: Iterable[tuple[str, tuple, dict]]) -> list[Any]:
+    def _pipeline(self, commands: Iterable[_Command]) -> list[Any]:
         """Send commands in one pipeline (one batch per node in a cluster); their replies in order."""
         with self._errors():
             pipe = self._redis.pipeline(transaction=False)
@@ -123,14 +126,16 @@ class _RedisStoreBase(Store):
                 n += 1
             if n == 0:
                 return []
-            return pipe.execute()
+            replies: list[Any] = pipe.execute()
+            return replies
 
     # -- the small contract --------------------------------------------------------------------
     def get(self, key: str) -> Value | None:
         if self._direct_pool() is not None:
             return self.get_many([key])[0]
         with self._errors():
-            return self._redis.get(self._key(key))
+            value: Value | None = self._redis.get(self._key(key))
+            return value
 
     def put(self, key: str, value: Buffer) -> None:
         with self._errors():
@@ -189,8 +194,9 @@ class _RedisStoreBase(Store):
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         # STRLEN cannot tell an empty value from a missing key; EXISTS beside it can.
-        replies = self._pipeline(cmd for k in keys for cmd in (("exists", (self._key(k),), {}),
-                                                                ("strlen", (self._key(k),), {})))
+        no_kwargs: dict[str, Any] = {}
+        replies = self._pipeline(cmd for k in keys for cmd in (("exists", (self._key(k),), no_kwargs),
+                                                                ("strlen", (self._key(k),), no_kwargs)))
         return [int(replies[i + 1]) if replies[i] else None for i in range(0, len(replies), 2)]
 
     def longest_prefix(self, keys: Sequence[str]) -> int:
@@ -270,7 +276,8 @@ class RedisClusterStore(_RedisStoreBase):
         # class (and its packer) is used; credentials and TLS stay in kwargs, not in the URL.
         return redis.cluster.RedisCluster(
             url=f"redis://{host}:{port}",
-            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in others],
+            # redis-py leaves ClusterNode.__init__ unannotated.
+            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
             retry=Retry(NoBackoff(), c.retries),
             **kwargs,
         )

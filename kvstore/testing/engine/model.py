@@ -77,10 +77,13 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any, intermediate: dict[str, torch.Tensor] | None = None):
         c = self.config
+        residual: torch.Tensor | None
         if self.is_first:
+            assert self.embed is not None  # the first stage holds the embedding
             hidden = self.embed[input_ids]
             residual = None
         else:
+            assert intermediate is not None, "a later pipeline stage needs the previous stage's intermediate"
             hidden, residual = intermediate["hidden_states"], intermediate["residual"]
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq
         cos, sin = freqs.cos()[:, None, :].to(self.dtype), freqs.sin()[:, None, :].to(self.dtype)
@@ -104,6 +107,7 @@ class LlamaModel:
             hidden = (F.silu(gate) * up) @ layer["down"].T
         if not self.is_last:
             return {"hidden_states": hidden, "residual": residual}
+        assert residual is not None  # set by the previous stage or by this stage's first layer
         return rms_norm(hidden + residual, self.norm, c.rms_eps)
 
     def _attention(self, q: torch.Tensor, cache: torch.Tensor, md: Any) -> torch.Tensor:

@@ -100,6 +100,7 @@ def build_model_input(seqs: Seq[Sequence], block_size: int) -> ModelInput:
     prefills = [s for s in seqs if s.num_computed == 0]
     decodes = [s for s in seqs if s.num_computed > 0]
     order = prefills + decodes
+    pos: list[int]
     toks, pos, slots, qsl, seq_lens, ctx = [], [], [], [0], [], []
     for s in order:
         all_tokens = s.tokens
@@ -176,6 +177,7 @@ class ModelRunner:
         stats.bypassed = bypass
         stats.computed_tokens = 0 if bypass else int(mi.attn_metadata.num_prefill_tokens)
         last = mi.attn_metadata.query_start_loc[1:] - 1
+        assert hidden is not None  # computed by the model, or rebuilt by the agent when it bypassed it
         logits = self.model.compute_logits(hidden[last])
         nxt = logits.argmax(-1).tolist()
         md = mi.attn_metadata
@@ -199,8 +201,12 @@ class ModelRunner:
             ttft = time.perf_counter() - t0
             while not all(s.done for s in seqs):
                 self.step([s for s in seqs if not s.done])
+            first_logits = []
+            for s in seqs:
+                assert s.first_logits is not None  # set when the first step prefilled it
+                first_logits.append(s.first_logits)
             return GenerationResult(
-                tokens=[s.output for s in seqs], first_logits=[s.first_logits for s in seqs], ttft_s=ttft,
+                tokens=[s.output for s in seqs], first_logits=first_logits, ttft_s=ttft,
                 tokens_loaded=sum(s.tokens_loaded for s in seqs),
                 tokens_computed=sum(s.tokens_computed for s in seqs), bypassed=stats.bypassed)
         finally:
