@@ -2,15 +2,21 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast lint bench clean
 
 demo:  ## set up (core) and run the two-replica demo on the embedded file store
 	scripts/bootstrap core
 	$(VENV)/bin/kvstore demo
 
-test:  ## set up (everything, incl. redis-server and vLLM CPU) and run the whole test suite
+test:  ## set up (everything, incl. redis-server and vLLM CPU), lint, and run the whole test suite
 	scripts/bootstrap test
+	$(MAKE) lint
 	$(PY) -m pytest
+
+lint:  ## ruff, the import-layer contracts, and mypy (strict on the library)
+	$(VENV)/bin/ruff check kvstore connectors tests benchmarks
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 test-fast:  ## the suite without the real-vLLM tests
 	$(PY) -m pytest -m "not vllm"

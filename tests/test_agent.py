@@ -18,6 +18,7 @@ import torch
 from kvstore.connectors.agent import AgentConfig, KVStoreAgent
 from kvstore.errors import ConfigError
 from kvstore.record import decode_record, encode_record
+from kvstore.testing.damage import flip_byte
 from kvstore.testing.engine import PRESETS, LlamaModel, ModelRunner
 from kvstore.testing.engine.runner import build_model_input
 
@@ -164,9 +165,7 @@ def test_corrupted_record_is_a_miss(store_url):
     agent = make_agent(store_url)
     ModelRunner(CFG, agent).generate([p], 4)
     keys, values = _stored_records(agent, p)
-    damaged = bytearray(values[1])
-    damaged[len(damaged) // 2] ^= 0x01  # one bit of noise in the KV payload
-    agent.store.put(keys[1].key, bytes(damaged))
+    damaged = flip_byte(agent.store, keys[1].key, offset=len(values[1]) // 2, mask=0x01)  # one bit of KV noise
     agent.flush()
     out = ModelRunner(CFG, make_agent(store_url)).generate([p], 8)
     assert out.tokens_loaded == 32 and out.tokens == baseline([p]).tokens  # first chunk only

@@ -21,6 +21,7 @@ from kvstore import open_store
 from kvstore.cli import main
 from kvstore.keys import FORMAT_VERSION, Namespace
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.testing.damage import flip_byte
 
 CHUNK = 32
 
@@ -142,9 +143,7 @@ def test_inspect_shows_header(store_url, capsys):
 def test_inspect_reports_damaged_and_missing_records(store_url, capsys):
     keys = _fill(store_url, "model-a", 64)
     with open_store(store_url) as s:
-        damaged = bytearray(s.get(keys[0]))
-        damaged[-1] ^= 0xFF
-        s.put(keys[0], damaged)
+        flip_byte(s, keys[0])
     rc, out, _ = run_cli(capsys, "inspect", "--store", store_url, keys[0])
     assert rc == 1 and "INVALID" in out and "checksum" in out
     rc, out, err = run_cli(capsys, "inspect", "--store", store_url, "kvs1/0000000000000000/" + "0" * 32)
@@ -207,9 +206,7 @@ def test_gc_removes_expired_old_format_and_undecodable(store_url, capsys):
 def test_gc_verify_finds_damaged_payloads(store_url, capsys):
     keys = _fill(store_url, "m", 64)
     with open_store(store_url) as s:
-        damaged = bytearray(s.get(keys[1]))
-        damaged[-1] ^= 0xFF
-        s.put(keys[1], damaged)
+        flip_byte(s, keys[1])
     rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--json")
     assert json.loads(out)["tiers"][0]["removed"] == {}  # headers alone look fine
     rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--verify", "--json")

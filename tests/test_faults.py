@@ -16,6 +16,7 @@ from kvstore.keys import Namespace, chunk_keys
 from kvstore.record import decode_record, encode_record
 from kvstore.stores import open_store
 from kvstore.stores.tiered import TieredStore
+from kvstore.testing.damage import flip_byte, truncate
 
 FAST = dict(breaker_failures=2, breaker_cooldown="200ms", breaker_max_cooldown="500ms")
 BOUND = 2.0  # seconds: the longest any call may take while a tier is down or hung
@@ -162,10 +163,9 @@ def test_damaged_record_in_a_shared_tier_is_detected_not_returned_as_kv(redis_se
     ns, tokens, records = _records(2)
     (c0, r0), (c1, r1) = records
     with open_store(redis_server.url) as red:
-        red.put(c0.key, r0[: len(r0) // 2])  # truncated (a crash mid-write elsewhere)
-        damaged = bytearray(r1)
-        damaged[-3] ^= 0xFF
-        red.put(c1.key, damaged)  # bit flip
+        red.put_many([(c0.key, r0), (c1.key, r1)])
+        truncate(red, c0.key, len(r0) // 2)  # a crash mid-write elsewhere
+        flip_byte(red, c1.key, offset=-3)  # a bit flip
         store = TieredStore([open_store("memory://"), red])
         try:
             for c in (c0, c1):

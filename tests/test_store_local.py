@@ -8,8 +8,10 @@ import os
 import pytest
 
 from kvstore import ConfigError, open_store
+from kvstore.stores import WrapperStore
 from kvstore.stores.memory import MemoryStore
 from kvstore.testing.store_tests import StoreTests
+from kvstore.warm import CountingStore
 
 
 class TestMemoryStore(StoreTests):
@@ -17,6 +19,14 @@ class TestMemoryStore(StoreTests):
     def store(self):
         with open_store("memory://?max_bytes=64MiB") as s:
             yield s
+
+    def bypass_get(self, store, key):
+        return store._data.get(key)  # the LRU dict itself: no recency update, no copy
+
+    def bypass_put(self, store, key, value):
+        with store._lock:
+            store._data[key] = bytes(value)
+            store._bytes += len(value)
 
 
 class TestFileStore(StoreTests):
@@ -28,6 +38,49 @@ class TestFileStore(StoreTests):
     def bypass_get(self, store, key):
         path = store._path(key)
         return path.read_bytes() if path.exists() else None
+
+    def bypass_put(self, store, key, value):
+        path = store._path(key)  # a file dropped in place, as another process's writer leaves it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(value)
+
+
+class _Recording(WrapperStore):
+    """A wrapper that adds nothing but a count of calls: every operation must still behave."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.puts = 0
+
+    def put(self, key, value):
+        self.puts += 1
+        super().put(key, value)
+
+
+class TestWrapperStore(StoreTests):
+    """A ``WrapperStore`` forwards the whole contract (the warm counter and later wrappers)."""
+
+    @pytest.fixture(params=["plain", "counting"])
+    def store(self, request, tmp_path):
+        inner = open_store(f"file://{tmp_path}/kv?max_bytes=256MiB")
+        store = _Recording(inner) if request.param == "plain" else CountingStore(inner)
+        with store:
+            assert store.is_local and store.deadline is None and store.flush(1)
+            yield store
+
+    def bypass_get(self, store, key):
+        path = store.inner._path(key)
+        return path.read_bytes() if path.exists() else None
+
+    def bypass_put(self, store, key, value):
+        store.inner.put(key, value)
+
+
+def test_counting_store_counts_bytes_put(tmp_path):
+    with CountingStore(open_store("memory://")) as store:
+        store.put("a", b"123")
+        store.put_many([("b", bytearray(5)), ("c", memoryview(b"xy"))])
+        assert store.bytes_put == 10 and store.get_many(["a", "b", "c"]) == [b"123", bytes(5), b"xy"]
 
 
 def test_memory_lru_evicts_least_recently_used():

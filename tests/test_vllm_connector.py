@@ -306,4 +306,4 @@ def test_bad_extra_config_fails_at_startup(model_dir):
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_worker.py"), json.dumps(spec)], env=env,
                           cwd=str(ROOT), capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
-    assert "chunk_tokens=48 must be a multiple of vLLM's block_size=32" in proc.stdout + proc.stderr
+    assert "chunk_tokens=48 must be a positive multiple of the engine's block_size=32" in proc.stdout + proc.stderr

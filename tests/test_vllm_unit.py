@@ -36,6 +36,7 @@ from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.errors import ConfigError
 from kvstore.keys import check_chunk_tokens
 from kvstore.stores.memory import MemoryStore
+from kvstore.testing.damage import flip_byte
 
 BS = 32
 
@@ -312,9 +313,7 @@ def test_save_then_load_through_the_connector(kind):
     # Another tenant's salt misses; a damaged record stops the load and names the blocks to recompute.
     assert sched_b.get_num_new_matched_tokens(fake_request("c", tokens, salt="t2"), 0) == (0, False)
     keys = work_b.worker.transfer.keys(tokens[:288])
-    damaged = bytearray(store.get(keys[2].key))
-    damaged[-5] ^= 1
-    store.put(keys[2].key, bytes(damaged))
+    flip_byte(store, keys[2].key, offset=-5, mask=1)
     req_d = fake_request("d", tokens)
     assert sched_b.get_num_new_matched_tokens(req_d, 0) == (288, False)
     sched_b.update_state_after_alloc(req_d, None, 288)

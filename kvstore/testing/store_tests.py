@@ -1,15 +1,18 @@
 """The store conformance suite: subclass ``StoreTests`` once per backend.
 
-A subclass provides the ``store`` fixture (a fresh, empty store) and may override
-``bypass_get``/``bypass_put`` to read and write the backend directly (checking that the store
-really persisted, or planting values another writer would have written). Every backend —
-memory, file, Redis, Redis Cluster, S3 and the tiered store — must pass every test here.
+A subclass provides the ``store`` fixture (a fresh, empty store, large enough for every value
+the suite writes) and implements ``bypass_get``/``bypass_put``, which read and write the backend
+*without going through the store under test* (a raw client, the files on disk, another tier):
+that is how the suite checks that the store really persisted a value, and that it reads values
+another writer put there. Every backend — memory, file, Redis, Redis Cluster, S3, the tiered
+store and wrappers — must pass every test here.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from abc import ABC, abstractmethod
 
 from kvstore.stores.base import Store
 
@@ -21,17 +24,19 @@ def _value(store: Store, key: str) -> bytes:
     return bytes(value)
 
 
-class StoreTests:
+class StoreTests(ABC):
     """Conformance tests. Subclasses define a ``store`` fixture yielding an empty store."""
 
     #: Largest value the suite writes; backends with a smaller limit lower it.
     large_value_bytes = 8 << 20
 
+    @abstractmethod
     def bypass_get(self, store: Store, key: str) -> bytes | None:
-        return None if (v := store.get(key)) is None else bytes(v)
+        """The value of ``key`` read from the backend directly (not through ``store``)."""
 
+    @abstractmethod
     def bypass_put(self, store: Store, key: str, value: bytes) -> None:
-        store.put(key, value)
+        """Write ``value`` under ``key`` into the backend directly, as another writer would."""
 
     # -- get / put / delete / exists ------------------------------------------------------------
     def test_get_missing_is_none(self, store: Store) -> None:
@@ -118,6 +123,8 @@ class StoreTests:
     # -- concurrency and description ------------------------------------------------------------
     def test_concurrent_writers_and_readers(self, store: Store) -> None:
         errors: list[BaseException] = []
+        written: dict[str, bytes] = {}
+        lock = threading.Lock()
 
         def work(t: int) -> None:
             try:
@@ -125,8 +132,10 @@ class StoreTests:
                     key = f"kvs1/test/t{t}-{i}"
                     value = bytes([t, i]) * 500
                     store.put(key, value)
+                    with lock:
+                        written[key] = value
                     got = store.get(key)
-                    assert got is None or bytes(got) == value  # an LRU may already have evicted it
+                    assert got is not None and bytes(got) == value, key
             except BaseException as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
 
@@ -136,6 +145,12 @@ class StoreTests:
         for th in threads:
             th.join()
         assert not errors, errors
+        assert len(written) == 100
+        store.flush(10)
+        got = store.get_many(list(written))
+        assert [None if v is None else bytes(v) for v in got] == list(written.values())
+        for key in list(written)[::10]:
+            assert self.bypass_get(store, key) == written[key]
 
     def test_describe_is_json(self, store: Store) -> None:
         import json

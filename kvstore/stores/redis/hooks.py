@@ -47,10 +47,14 @@ def check_redis_py() -> None:
     base = getattr(redis.connection, "AbstractConnection", None)
     if base is None or not callable(getattr(base, "_construct_command_packer", None)):
         missing.append("redis.connection.AbstractConnection._construct_command_packer")
-    probe = redis.Connection()  # type: ignore[no-untyped-call]  # redis-py leaves Connection.__init__ unannotated
-    for attr in ("_buffer_cutoff", "encoder", "_sock", "pack_commands", "send_packed_command", "disconnect"):
-        if not hasattr(probe, attr):
-            missing.append(f"redis.Connection.{attr}")
+    try:
+        probe = redis.Connection()  # type: ignore[no-untyped-call]  # redis-py leaves Connection.__init__ unannotated
+    except Exception as exc:  # noqa: BLE001 - a changed constructor is a missing hook too
+        missing.append(f"redis.Connection() ({type(exc).__name__}: {exc})")
+    else:
+        for attr in ("_buffer_cutoff", "encoder", "_sock", "pack_commands", "send_packed_command", "disconnect"):
+            if not hasattr(probe, attr):
+                missing.append(f"redis.Connection.{attr}")
     if not callable(getattr(PythonRespSerializer, "pack", None)):
         missing.append("redis.connection.PythonRespSerializer.pack")
     if missing:
