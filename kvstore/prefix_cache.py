@@ -5,12 +5,17 @@ adapters give it, per chunk, the bytes to save (``save``) and take, per verified
 bytes to place (``load``'s sink). Its promises:
 
 * ``lookup`` costs one ``longest_prefix`` call (one round trip per tier).
-* ``load`` verifies each record (namespace, key, token ids, dtype, shapes, checksum) before
-  handing it to the sink, in prefix order, and stops at the first chunk that is missing or
-  fails. A failed record is counted, deleted from the store (best effort) and becomes a miss;
-  a store outage is a miss. ``load`` never raises a storage or record error.
-* ``save`` skips chunks that are already stored and never raises a storage error; record
-  encoding errors (a caller bug) do raise.
+* ``load`` receives the records into leased pool buffers (``Store.get_into``: a Redis tier
+  receives record i+1 while record i is verified and placed), verifies each record (namespace,
+  key, token ids, dtype, shapes, checksum) in place before handing it to the sink, in prefix
+  order, and stops at the first chunk that is missing or fails. The record handed to the sink
+  is valid only during that call. A failed record is counted, deleted from the store (best
+  effort) and becomes a miss; a store outage is a miss. ``load`` never raises a storage or
+  record error.
+* ``save`` skips chunks that are already stored, encodes each record as pieces (its header
+  beside the payload, which is never copied into a joined buffer) and never raises a storage
+  error; record encoding errors (a caller bug) do raise. A payload may be owned by a lease
+  (``ChunkPayload.owner``): ``save`` releases it once the store has taken what it keeps.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
 from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
 from kvstore.keys import ChunkKey, Namespace, TokenIds, chunk_keys, tokens_to_array
 from kvstore.metrics import catalog as metrics
-from kvstore.record import DTYPES, Record, decode_record, encode_record
+from kvstore.record import DTYPES, Record, RecordHeader, decode_record, encode_record_pieces
 from kvstore.record.codecs import resolve_chain
 from kvstore.stores.base import Store
 from kvstore.types import Buffer
@@ -42,6 +48,9 @@ class ChunkPayload:
     hidden: Buffer | None = None
     hidden_dtype: str | None = None
     hidden_shape: Sequence[int] | None = None
+    #: The lease ``kv`` and ``hidden`` live in, if any: released by ``save`` (the store retains it
+    #: when it keeps the value for a background write).
+    owner: Lease | None = None
 
 
 @dataclass
@@ -50,8 +59,10 @@ class LoadResult:
 
     num_chunks: int = 0
     num_tokens: int = 0
-    #: The last record placed (its ``hidden`` is the hidden state of the last loaded token).
-    last_record: Record | None = None
+    #: The header of the last record placed, and a copy of its hidden state (the hidden state of
+    #: the last loaded token), if it carries one.
+    last_header: RecordHeader | None = None
+    hidden: bytes | None = None
     #: Why loading stopped: "hit" (every chunk placed), "miss", "corrupt" or "unavailable".
     reason: str = "hit"
 
@@ -59,9 +70,12 @@ class LoadResult:
 class PrefixCache:
     """Chunked, verified save/load of token-prefix KV under one namespace."""
 
-    def __init__(self, store: Store, namespace: Namespace, *, codec: str = "raw") -> None:
+    def __init__(self, store: Store, namespace: Namespace, *, codec: str = "raw",
+                 pool: BufferPool | None = None) -> None:
         self.store = store
         self.namespace = namespace
+        #: Where loads receive records (and transfers gather chunks): resident, reused buffers.
+        self.pool = pool or default_pool()
         itemsize = DTYPES.get(namespace.kv_dtype)
         if itemsize is None:
             raise ConfigError(f"kv_dtype={namespace.kv_dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
@@ -120,37 +134,49 @@ class PrefixCache:
             return result
         start = time.perf_counter()
         arr = tokens_to_array(tokens)
+        stream = self.store.get_into([k.key for k in keys], self.pool)
         try:
-            values = self.store.get_many([k.key for k in keys])
-        except KVStoreError as exc:
-            log.debug("load failed: %s", exc)
-            values = [None] * len(keys)
-            result.reason = "unavailable"
-        for chunk, value in zip(keys, values):
-            if value is None:
-                if result.reason == "hit":
+            for chunk, lease in zip(keys, stream):
+                if lease is None:
                     result.reason = "miss"
-                break
-            try:
-                record = decode_record(
-                    value, namespace=ns, chunk=chunk, tokens=arr[chunk.start:chunk.end],
-                    dtype=ns.kv_dtype, shapes=None if shapes is None else shapes(chunk),
-                )
-            except CorruptRecordError as exc:
-                metrics.CORRUPT.inc(reason=exc.reason)
-                log.warning("discarding stored record %s: %s", chunk.key, exc)
-                self._discard(chunk.key)
-                result.reason = "corrupt"
-                break
-            sink(chunk, record)
-            result.num_chunks += 1
-            result.num_tokens = chunk.end
-            result.last_record = record
+                    break
+                try:
+                    if not self._place(lease, chunk, arr, ns, shapes, sink, result):
+                        break
+                finally:
+                    lease.release()
+        except KVStoreError as exc:  # a store that is not tiered fails as a whole: a miss
+            log.debug("load failed: %s", exc)
+            result.reason = "unavailable"
+        finally:
+            stream.close()
         metrics.HITS.inc(result.num_chunks)
         metrics.MISSES.inc(len(keys) - result.num_chunks)
         metrics.TOKENS_LOADED.inc(result.num_tokens)
         metrics.LATENCY.observe(time.perf_counter() - start, op="load")
         return result
+
+    def _place(self, lease: Lease, chunk: ChunkKey, arr: TokenIds, ns: Namespace,
+               shapes: Callable[[ChunkKey], Sequence[Sequence[int]]] | None,
+               sink: Callable[[ChunkKey, Record], None], result: LoadResult) -> bool:
+        """Verify one received record and hand it to ``sink``; False (counted, discarded) if it is bad."""
+        try:
+            record = decode_record(
+                lease.view, namespace=ns, chunk=chunk, tokens=arr[chunk.start:chunk.end],
+                dtype=ns.kv_dtype, shapes=None if shapes is None else shapes(chunk),
+            )
+        except CorruptRecordError as exc:
+            metrics.CORRUPT.inc(reason=exc.reason)
+            log.warning("discarding stored record %s: %s", chunk.key, exc)
+            self._discard(chunk.key)
+            result.reason = "corrupt"
+            return False
+        sink(chunk, record)
+        result.num_chunks += 1
+        result.num_tokens = chunk.end
+        result.last_header = record.header
+        result.hidden = None if record.hidden is None else bytes(record.hidden)
+        return True
 
     def save(
         self,
@@ -172,20 +198,28 @@ class PrefixCache:
         start = time.perf_counter()
         first = self.lookup(keys) if skip_stored else 0
         arr = tokens_to_array(tokens)
-        items: list[tuple[str, Buffer]] = []
-        for chunk in keys[first:]:
-            p = payload(chunk)
-            record = encode_record(
-                namespace=ns, chunk=chunk, tokens=arr[chunk.start:chunk.end], dtype=ns.kv_dtype,
-                shapes=p.shapes, kv=p.kv, hidden=p.hidden, hidden_dtype=p.hidden_dtype,
-                hidden_shape=p.hidden_shape, chain=self.chain,
-            )
-            items.append((chunk.key, record))
+        items: list[tuple[str, Pieces]] = []
         try:
+            for chunk in keys[first:]:
+                p = payload(chunk)
+                try:
+                    record = encode_record_pieces(
+                        namespace=ns, chunk=chunk, tokens=arr[chunk.start:chunk.end], dtype=ns.kv_dtype,
+                        shapes=p.shapes, kv=p.kv, hidden=p.hidden, hidden_dtype=p.hidden_dtype,
+                        hidden_shape=p.hidden_shape, chain=self.chain, owner=p.owner,
+                    )
+                except BaseException:
+                    if p.owner is not None:
+                        p.owner.release()
+                    raise
+                items.append((chunk.key, record))
             self.store.put_many(items)
         except KVStoreError as exc:
             log.debug("save failed: %s", exc)
             return 0
+        finally:
+            for _, record in items:
+                record.release()
         if items:
             metrics.TOKENS_SAVED.inc(keys[-1].end - keys[first].start)
         metrics.LATENCY.observe(time.perf_counter() - start, op="save")

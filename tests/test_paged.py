@@ -14,7 +14,6 @@ from kvstore.paged import (
     FlashLayout,
     KVTransfer,
     MLALayout,
-    StagingPool,
     dtype_name,
     get_layout,
     slots_from_block_table,
@@ -96,11 +95,16 @@ def test_get_layout_names():
         get_layout("nope")
 
 
-def test_staging_pool_reuses_memory():
-    pool = StagingPool()
-    a = pool.get("kv", (4, 8), torch.bfloat16)
-    b = pool.get("kv", (2, 8), torch.bfloat16)
-    assert a.data_ptr() == b.data_ptr() and not a.is_pinned()
+def test_transfer_stages_through_the_pool_and_returns_every_buffer():
+    layout, cache = _caches(torch.bfloat16)[0]
+    xfer = _transfer(layout, [cache, cache + 1])
+    tokens, slots = list(range(300, 316)), slots_from_block_table([9, 2, 5, 11], N, 16)
+    assert xfer.save_sequence(tokens, slots) == 2
+    fresh = [torch.zeros_like(c) for c in xfer.kv_caches]
+    assert KVTransfer(xfer.cache, fresh, layout).load_sequence(tokens, slots)[0] == 16
+    assert all(torch.equal(f.flatten()[:0], c.flatten()[:0]) for f, c in zip(fresh, xfer.kv_caches))
+    stats = xfer.pool.stats()
+    assert stats["leased_bytes"] == 0 and stats["allocations"] >= 1 and stats["misses"] == 0
 
 
 def _transfer(layout, caches, chunk=8, **ns):

@@ -1,6 +1,6 @@
-"""Paged KV caches: layouts (``layouts``), CPU copy kernels (``kernels``), staging memory
-(``staging``), torch helpers (``tensors``) and ``KVTransfer`` (``transfer``), the engine-agnostic
-core that moves a sequence's KV between a paged cache and a store."""
+"""Paged KV caches: layouts (``layouts``), CPU copy kernels (``kernels``), torch helpers
+(``tensors``) and ``KVTransfer`` (``transfer``), the engine-agnostic core that moves a sequence's
+KV between a paged cache and a store through leased pool buffers (``kvstore.buffers``)."""
 
 from kvstore.paged.layouts import (
     LAYOUTS,
@@ -11,9 +11,8 @@ from kvstore.paged.layouts import (
     PagedLayout,
     get_layout,
 )
-from kvstore.paged.staging import StagingPool
 from kvstore.paged.tensors import dtype_name, slots_from_block_table
 from kvstore.paged.transfer import KVTransfer
 
 __all__ = ["PagedLayout", "FlashLayout", "BHNCLayout", "CPUPackedLayout", "MLALayout", "LAYOUTS", "get_layout",
-           "dtype_name", "StagingPool", "KVTransfer", "slots_from_block_table"]
+           "dtype_name", "KVTransfer", "slots_from_block_table"]

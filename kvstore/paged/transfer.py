@@ -1,10 +1,17 @@
 """``KVTransfer``: save and load token prefixes of a sequence between a paged cache and a store.
 
 The engine-agnostic core the agent API and the vLLM connector both use: per sequence (tokens,
-slots) it saves chunks through a ``PrefixCache`` (gather -> staging -> record) and loads the
-longest stored prefix back (verified record -> scatter). The copy path is chosen once, when the
-transfer is built: the numpy kernels for CPU caches (straight from and into the record's bytes),
-the layout's torch copies through pinned staging and a side stream on an accelerator.
+slots) it saves chunks through a ``PrefixCache`` and loads the longest stored prefix back.
+
+* Save: each chunk is gathered from the paged cache straight into a leased pool buffer (resident,
+  pinned on CUDA), which becomes the record's payload as it is: the header goes beside it and
+  the store sends both pieces (a background writer keeps the lease until the bytes are out).
+* Load: records arrive in leased pool buffers, are verified in place, and are scattered into the
+  paged cache straight from there (on an accelerator: one host-to-device copy from the pinned
+  buffer on a side stream).
+
+The copy path is chosen once, when the transfer is built: the numpy kernels for CPU caches, the
+layout's torch copies on an accelerator.
 """
 
 from __future__ import annotations
@@ -16,11 +23,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvstore.buffers import BufferPool, Lease
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, Namespace, TokenIds, tokens_to_array
 from kvstore.paged.kernels import host_bytes, host_copy, host_layers
 from kvstore.paged.layouts import PagedLayout, get_layout
-from kvstore.paged.staging import StagingPool
 from kvstore.paged.tensors import dtype_name, tensor_bytes
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.record import Record
@@ -71,7 +78,11 @@ class KVTransfer:
         if problems:
             raise ConfigError("namespace does not describe the KV cache: " + "; ".join(problems))
         self.on_cuda = self.device.type == "cuda"
-        self.pool = StagingPool(pin=self.on_cuda)
+        # Host staging comes from the prefix cache's pool; device-to-host copies overlap only
+        # from pinned memory, so an accelerator gets a pinned pool of the same budget.
+        pool = cache.pool
+        self.pool = pool if not self.on_cuda or pool.pin else BufferPool(pool.max_bytes, pin=True)
+        self._dev_buf: torch.Tensor | None = None
         # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
         self._host = host_layers([self.layout.host_layer(c) for c in self.kv_caches]) if self.device.type == "cpu" else None
         # torch leaves torch.cuda.Stream's constructor unannotated.
@@ -95,14 +106,25 @@ class KVTransfer:
     def _shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
         return [self.layout.chunk_shape(self.kv_caches[0], num_tokens)] * len(self.kv_caches)
 
-    def _staging(self, num_tokens: int, device_side: bool = False) -> torch.Tensor:
-        shape = (len(self.kv_caches), *self.layout.chunk_shape(self.kv_caches[0], num_tokens))
-        if device_side:
-            buf = getattr(self, "_dev_buf", None)
-            if buf is None or buf.numel() < math.prod(shape):
-                self._dev_buf = buf = torch.empty(math.prod(shape), dtype=self.dtype, device=self.device)
-            return buf[:math.prod(shape)].view(shape)
-        return self.pool.get("kv", shape, self.dtype)
+    def _staging_shape(self, num_tokens: int) -> tuple[int, ...]:
+        return (len(self.kv_caches), *self.layout.chunk_shape(self.kv_caches[0], num_tokens))
+
+    def _host_staging(self, num_tokens: int) -> tuple[torch.Tensor, Lease | None]:
+        """Host memory for one chunk of every layer: a pool lease (the caller releases it), or,
+        when the pool is full, a tensor of its own (``None`` lease)."""
+        shape = self._staging_shape(num_tokens)
+        nbytes = math.prod(shape) * self.kv_caches[0].element_size()
+        lease = self.pool.lease(nbytes)
+        if lease is None:
+            return torch.empty(shape, dtype=self.dtype, pin_memory=self.on_cuda), None
+        return torch.frombuffer(lease.view, dtype=torch.uint8).view(self.dtype).view(shape), lease
+
+    def _device_staging(self, num_tokens: int) -> torch.Tensor:
+        shape = self._staging_shape(num_tokens)
+        buf = self._dev_buf
+        if buf is None or buf.numel() < math.prod(shape):
+            self._dev_buf = buf = torch.empty(math.prod(shape), dtype=self.dtype, device=self.device)
+        return buf[:math.prod(shape)].view(shape)
 
     def lookup(self, tokens: TokenIds, max_tokens: int | None = None) -> int:
         """Tokens of the longest stored prefix (one lookup round trip; nothing is loaded)."""
@@ -128,27 +150,34 @@ class KVTransfer:
         slots = slots.to(self.device, torch.int64)
 
         def payload(chunk: ChunkKey) -> ChunkPayload:
-            staging = self._gather(slots[chunk.start:chunk.end])
+            staging, lease = self._host_staging(chunk.num_tokens)
+            try:
+                self._gather(slots[chunk.start:chunk.end], staging)
+            except BaseException:
+                if lease is not None:
+                    lease.release()
+                raise
             hidden = hidden_dtype = hidden_shape = None
             row = chunk.end - 1 - start_token
             if hidden_states is not None and 0 <= row < hidden_states.shape[0]:
                 h = hidden_states[row].detach().to("cpu").contiguous()
                 hidden, hidden_dtype, hidden_shape = tensor_bytes(h), dtype_name(h.dtype), tuple(h.shape)
-            return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=tensor_bytes(staging),
-                                hidden=hidden, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape)
+            kv = lease.view if lease is not None else tensor_bytes(staging)
+            return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=kv, hidden=hidden,
+                                hidden_dtype=hidden_dtype, hidden_shape=hidden_shape, owner=lease)
 
         return self.cache.save(arr[:keys[-1].end], keys, payload, namespace=namespace)
 
-    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+    def _gather(self, slots: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy the KV of ``slots`` in every layer into ``host`` (``_staging_shape(len(slots))``)."""
         n = slots.numel()
-        host = self._staging(n)
         if not self.on_cuda:
             staging = host_bytes(host) if self._host is not None else None
             if self._host is None or staging is None or not host_copy(self._host, slots, staging, False):
                 for layer, cache in enumerate(self.kv_caches):
                     self.layout.gather(cache, slots, host[layer])
-            return host
-        dev = self._staging(n, device_side=True)
+            return
+        dev = self._device_staging(n)
         stream = self._stream
         assert stream is not None  # built with the transfer on CUDA
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -157,7 +186,6 @@ class KVTransfer:
                 self.layout.gather(cache, slots, dev[layer])
             host.copy_(dev, non_blocking=True)
         stream.synchronize()  # the record encoder reads the host bytes next
-        return host
 
     # -- load ------------------------------------------------------------------------------
     def load_sequence(self, tokens: TokenIds, slots: torch.Tensor,
@@ -195,11 +223,11 @@ class KVTransfer:
             assert self._stream is not None  # built with the transfer on CUDA
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
         hidden = None
-        rec = result.last_record
-        if result.num_tokens and rec is not None and rec.hidden is not None and rec.header.hidden_shape is not None:
-            dt = getattr(torch, rec.header.hidden_dtype or "", None)
+        header = result.last_header
+        if result.num_tokens and header is not None and result.hidden is not None and header.hidden_shape is not None:
+            dt = getattr(torch, header.hidden_dtype or "", None)
             if isinstance(dt, torch.dtype):
-                hidden = torch.frombuffer(bytearray(rec.hidden), dtype=dt).view(rec.header.hidden_shape)
+                hidden = torch.frombuffer(bytearray(result.hidden), dtype=dt).view(header.hidden_shape)
         return (result.num_tokens if result.num_tokens else min(skip_tokens, arr.shape[0])), hidden
 
     def _token_rows(self, staging: torch.Tensor, num_tokens: int, skip: int) -> torch.Tensor:
@@ -214,9 +242,17 @@ class KVTransfer:
         # On the CPU, straight from the record's bytes (numpy items have no alignment needs).
         if self._host is not None and host_copy(self._host, slots, np.frombuffer(kv, dtype=np.uint8), True, skip):
             return
-        host = self._staging(n)
-        # Copy into our staging first: record bytes are read-only and not necessarily 8-byte aligned.
-        np.copyto(host.view(-1).view(torch.uint8).numpy(), np.frombuffer(kv, dtype=np.uint8))
+        host, lease = self._host_staging(n)
+        try:
+            # Copy into our staging first: record bytes are not necessarily 8-byte aligned.
+            np.copyto(host.view(-1).view(torch.uint8).numpy(), np.frombuffer(kv, dtype=np.uint8))
+            self._scatter_staged(slots, host, skip)
+        finally:
+            if lease is not None:
+                lease.release()
+
+    def _scatter_staged(self, slots: torch.Tensor, host: torch.Tensor, skip: int) -> None:
+        n = slots.numel()
         if skip:  # the chunk's first tokens are already in the cache: write only the rest
             for layer, cache in enumerate(self.kv_caches):
                 self.layout.scatter(cache, slots[skip:], self._token_rows(host[layer], n, skip).to(self.device))
@@ -227,7 +263,7 @@ class KVTransfer:
             for layer, cache in enumerate(self.kv_caches):
                 self.layout.scatter(cache, slots, host[layer])
             return
-        dev = self._staging(n, device_side=True)
+        dev = self._device_staging(n)
         # As in _gather: work already queued on the compute stream (on these blocks, or on the
         # memory the allocator just handed ``dev``) must finish before the side stream writes.
         assert self._stream is not None  # built with the transfer on CUDA
@@ -236,5 +272,5 @@ class KVTransfer:
             dev.copy_(host, non_blocking=True)
             for layer, cache in enumerate(self.kv_caches):
                 self.layout.scatter(cache, slots, dev[layer])
-        self._stream.synchronize()  # host staging is reused by the next chunk
+        self._stream.synchronize()  # the host staging is released next
 

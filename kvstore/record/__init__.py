@@ -12,9 +12,10 @@ from kvstore.record.format import (
     RecordHeader,
     decode_record,
     encode_record,
+    encode_record_pieces,
     kv_nbytes,
     read_header,
 )
 
-__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "Record", "RecordHeader", "decode_record", "encode_record",
+__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "Record", "RecordHeader", "decode_record", "encode_record", "encode_record_pieces",
            "kv_nbytes", "read_header"]

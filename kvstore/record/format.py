@@ -36,6 +36,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from kvstore.buffers import Lease, Pieces, byte_view
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import FORMAT_VERSION, ChunkKey, Namespace, TokenIds, tokens_to_array
 from kvstore.record import codecs
@@ -129,18 +130,51 @@ def encode_record(
     out: bytearray | None = None,
     created: float | None = None,
 ) -> bytes | memoryview:
-    """Encode one chunk record; returns the bytes to store.
+    """Encode one chunk record into one buffer; see ``encode_record_pieces`` for the fields.
+
+    Without ``out`` the result is a new immutable ``bytes``; with ``out`` (a reusable bytearray)
+    the record is written there and a view valid until ``out`` is reused is returned.
+    """
+    pieces = encode_record_pieces(namespace=namespace, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes,
+                                  kv=kv, hidden=hidden, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape,
+                                  chain=chain, created=created)
+    if out is None:
+        return pieces.tobytes()
+    if len(out) < pieces.nbytes:
+        out.extend(bytes(pieces.nbytes - len(out)))
+    view = memoryview(out)[:pieces.nbytes]
+    pieces.copy_into(view)
+    return view
+
+
+def encode_record_pieces(
+    *,
+    namespace: Namespace,
+    chunk: ChunkKey,
+    tokens: TokenIds,
+    dtype: str,
+    shapes: Sequence[Sequence[int]],
+    kv: Buffer,
+    hidden: Buffer | None = None,
+    hidden_dtype: str | None = None,
+    hidden_shape: Sequence[int] | None = None,
+    chain: Sequence[str] = (),
+    created: float | None = None,
+    owner: Lease | None = None,
+) -> Pieces:
+    """Encode one chunk record as the pieces a store sends in order: frame and header, then the
+    payload (the KV bytes after the codec chain, then the hidden state), never joined.
 
     ``tokens`` are the chunk's own tokens (``chunk.num_tokens`` of them). ``kv`` holds the
-    tensors of ``shapes`` back to back in ``dtype``. Without ``out`` the result is a new
-    immutable ``bytes``; with ``out`` (a reusable bytearray) the record is written there,
-    avoiding a fresh large allocation, and a view valid until ``out`` is reused is returned.
+    tensors of ``shapes`` back to back in ``dtype``. With the raw codec the payload pieces are
+    views of ``kv`` and ``hidden`` themselves (no copy): ``owner``, the lease holding them, goes
+    with the pieces so a store that keeps the value past the call can retain it.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
     shapes_t = tuple(tuple(int(d) for d in s) for s in shapes)
     raw_len = kv_nbytes(dtype, shapes_t)
-    kv_view = memoryview(kv).cast("B")
+    kv_view = byte_view(kv)
     if len(kv_view) != raw_len:
         raise ValueError(f"kv has {len(kv_view)} bytes but {dtype} tensors of shapes {shapes_t} need {raw_len}")
     tok = tokens_to_array(tokens)
@@ -151,16 +185,15 @@ def encode_record(
     if hidden is not None:
         if hidden_dtype not in DTYPES or hidden_shape is None:
             raise ValueError("hidden needs hidden_dtype (a supported dtype) and hidden_shape")
-        hidden_view = memoryview(hidden).cast("B")
+        hidden_view = byte_view(hidden)
         expect = DTYPES[hidden_dtype] * math.prod(hidden_shape)
         if len(hidden_view) != expect:
             raise ValueError(f"hidden has {len(hidden_view)} bytes, {hidden_dtype}{list(hidden_shape)} needs {expect}")
         hidden_meta = [hidden_dtype, [int(d) for d in hidden_shape]]
     chain = tuple(chain)
     codecs.validate_chain(chain)
-    body = codecs.encode(chain, kv_view) if chain else kv_view
-    body_len = len(memoryview(body).cast("B")) if not isinstance(body, (bytes, bytearray)) else len(body)
-    payload_len = body_len + (len(hidden_view) if hidden_view is not None else 0)
+    body = byte_view(codecs.encode(chain, kv_view)) if chain else kv_view
+    payload_len = len(body) + (len(hidden_view) if hidden_view is not None else 0)
     hasher = xxhash.xxh3_64()
     hasher.update(body)
     if hidden_view is not None:
@@ -181,20 +214,8 @@ def encode_record(
         "checksum": hasher.digest(),
         "created": float(time.time() if created is None else created),
     }, use_bin_type=True)
-    frame = _FRAME.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header))
-    parts = [frame, header, body] + ([hidden_view] if hidden_view is not None else [])
-    if out is None:
-        return b"".join(parts)  # one allocation and copy; immutable, safe to queue and keep
-    total = FRAME_BYTES + len(header) + payload_len
-    if len(out) < total:
-        out.extend(bytes(total - len(out)))
-    view = memoryview(out)[:total]
-    pos = 0
-    for part in parts:
-        n = len(part) if isinstance(part, (bytes, bytearray)) else memoryview(part).nbytes
-        view[pos:pos + n] = part
-        pos += n
-    return view
+    head = _FRAME.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header)) + header
+    return Pieces([head, body] + ([hidden_view] if hidden_view is not None else []), owner=owner)
 
 
 def _fail(message: str, reason: str) -> CorruptRecordError:

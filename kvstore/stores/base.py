@@ -11,7 +11,14 @@ Contract, for every backend:
   value: ``put`` is atomic per key.
 * An outage (unreachable, timed out) raises ``StoreUnavailableError``; a miss is never an
   exception. Bad configuration raises ``ConfigError`` when the store is built.
-* Values are copied or sent before ``put`` returns: callers may reuse their buffers.
+* ``put`` takes one buffer or ``Pieces`` (several buffers making one value: a record's header
+  and payload, sent or written in order, never joined on the way). Values are copied or sent
+  before ``put`` returns: callers may reuse their buffers. (The tiered store keeps values for its
+  background writers: it retains a ``Pieces``' owner lease, or copies.)
+* ``get_into(keys, pool)`` yields the values in key order, each in a ``Lease`` (a pool buffer, or
+  a borrowed view of memory the store owns) that the consumer releases when done with it; a
+  backend may receive later values while the consumer works on earlier ones. Closing the
+  iterator early stops that and releases what it prefetched.
 * ``deadline`` bounds how long one call may block on a remote server (``None``: the store does
   no network I/O); ``flush`` waits, at most ``timeout``, for writes accepted but not yet
   durable in the backend (background queues) and says whether they all landed.
@@ -24,12 +31,20 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.types import Buffer
 
-__all__ = ["Buffer", "Store", "WrapperStore", "Value"]
+__all__ = ["Buffer", "Store", "WrapperStore", "Value", "WriteValue", "as_buffer"]
 
 #: What ``get`` returns for a hit: the value's bytes (a view of a buffer the caller now owns).
 Value = bytes | memoryview
+#: What ``put`` takes: one buffer, or the pieces of one value.
+WriteValue = Buffer | Pieces
+
+
+def as_buffer(value: WriteValue) -> Buffer:
+    """``value`` as one buffer (``Pieces`` are joined: for backends that need one contiguous value)."""
+    return value.tobytes() if isinstance(value, Pieces) else value
 
 
 class Store(ABC):
@@ -45,7 +60,7 @@ class Store(ABC):
         """The value stored under ``key``, or ``None`` if there is none."""
 
     @abstractmethod
-    def put(self, key: str, value: Buffer) -> None:
+    def put(self, key: str, value: WriteValue) -> None:
         """Store ``value`` under ``key``, replacing any previous value."""
 
     @abstractmethod
@@ -78,7 +93,16 @@ class Store(ABC):
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return [self.get(k) for k in keys]
 
-    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+        """Each value of ``keys`` in order as a lease the consumer releases (``None`` on a miss).
+
+        The default borrows what ``get_many`` returns; backends that can receive into ``pool``'s
+        buffers, or overlap receiving with the consumer's work, override it.
+        """
+        for value in self.get_many(keys):
+            yield None if value is None else borrow(value)
+
+    def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         for key, value in items:
             self.put(key, value)
 
@@ -132,7 +156,7 @@ class WrapperStore(Store):
     def get(self, key: str) -> Value | None:
         return self.inner.get(key)
 
-    def put(self, key: str, value: Buffer) -> None:
+    def put(self, key: str, value: WriteValue) -> None:
         self.inner.put(key, value)
 
     def delete(self, key: str) -> bool:
@@ -156,7 +180,10 @@ class WrapperStore(Store):
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return self.inner.get_many(keys)
 
-    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+        return self.inner.get_into(keys, pool)
+
+    def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         self.inner.put_many(items)
 
     def delete_many(self, keys: Sequence[str]) -> int:

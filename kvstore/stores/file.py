@@ -23,10 +23,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
+from kvstore.buffers import Pieces, byte_view
 from kvstore.config import build, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.metrics.catalog import EVICTIONS
-from kvstore.stores.base import Buffer, Store
+from kvstore.stores.base import Store, WriteValue
 
 _STALE_TMP_SECONDS = 3600.0
 
@@ -98,15 +99,16 @@ class FileStore(Store):
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
 
-    def put(self, key: str, value: Buffer) -> None:
+    def put(self, key: str, value: WriteValue) -> None:
         path = self._path(key)
-        view = memoryview(value).cast("B")
+        parts = value.parts if isinstance(value, Pieces) else (byte_view(value),)
         try:
             path.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self._tmp)
             try:
                 with os.fdopen(fd, "wb") as f:
-                    f.write(view)
+                    for part in parts:
+                        f.write(part)
                     if self.config.fsync:
                         f.flush()
                         os.fsync(f.fileno())
@@ -120,7 +122,7 @@ class FileStore(Store):
         except OSError as exc:
             raise StoreUnavailableError(f"file store write {path} failed: {exc}") from exc
         try:
-            self._account(len(view))
+            self._account(sum(len(p) for p in parts))
         except OSError as exc:
             raise StoreUnavailableError(f"file store {self.root} could not count or evict: {exc}") from exc
 

@@ -19,6 +19,7 @@ URL: ``s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000&region=us-east-1&ma
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,9 +31,10 @@ import boto3
 import botocore.exceptions
 from botocore.config import Config as BotoConfig
 
+from kvstore.buffers import Pieces
 from kvstore.config import build, option, query_options, redact_url
 from kvstore.errors import ConfigError, StoreUnavailableError
-from kvstore.stores.base import Buffer, Store, Value
+from kvstore.stores.base import Store, Value, WriteValue
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -91,8 +93,47 @@ def _is_missing(exc: botocore.exceptions.ClientError) -> bool:
     return str(err.get("Code")) in _MISSING_CODES or status == 404
 
 
-def _body(value: Buffer) -> bytes | bytearray:
-    """``value`` in a form botocore sends as is; it takes bytes and bytearray, not memoryview."""
+class _PiecesBody(io.RawIOBase):
+    """A ``Pieces`` value as the seekable file botocore streams a body from (no join)."""
+
+    def __init__(self, pieces: Pieces) -> None:
+        self._parts = pieces.parts
+        self._size = pieces.nbytes
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, min(self._size, base + offset))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        written, start = 0, 0
+        for part in self._parts:
+            end = start + len(part)
+            if self._pos < end and written < len(out):
+                lo = self._pos - start
+                n = min(len(part) - lo, len(out) - written)
+                out[written:written + n] = part[lo:lo + n]
+                written += n
+                self._pos += n
+            start = end
+        return written
+
+
+def _body(value: WriteValue) -> bytes | bytearray | _PiecesBody:
+    """``value`` in a form botocore sends as is; it takes bytes, bytearray and files, not memoryview."""
+    if isinstance(value, Pieces):
+        return _PiecesBody(value)
     if isinstance(value, (bytes, bytearray)):
         return value
     view = memoryview(value)
@@ -183,7 +224,7 @@ class S3Store(Store):
                 raise self._unavailable(exc) from exc
             raise
 
-    def put(self, key: str, value: Buffer) -> None:
+    def put(self, key: str, value: WriteValue) -> None:
         self._call(self._client.put_object, Key=self._key(key), Body=_body(value))
 
     def _head(self, key: str) -> int | None:
@@ -216,7 +257,7 @@ class S3Store(Store):
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return self._map(self.get, list(keys))
 
-    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
+    def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         self._map(lambda kv: self.put(*kv), list(items))
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:

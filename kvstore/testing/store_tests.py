@@ -14,6 +14,7 @@ import os
 import threading
 from abc import ABC, abstractmethod
 
+from kvstore.buffers import BufferPool, Pieces
 from kvstore.stores.base import Store
 
 
@@ -119,6 +120,57 @@ class StoreTests(ABC):
         store.put_many([("kvs1/aa/1", b"1"), ("kvs1/aa/2", b"2"), ("kvs1/bb/1", b"3")])
         assert sorted(store.iter_keys("kvs1/aa/")) == ["kvs1/aa/1", "kvs1/aa/2"]
         assert set(store.iter_keys()) >= {"kvs1/aa/1", "kvs1/aa/2", "kvs1/bb/1"}
+
+    # -- values in pieces, reads into leased buffers ----------------------------------------------
+    def test_put_pieces_stores_them_joined(self, store: Store) -> None:
+        big = os.urandom(3 << 20)
+        store.put("kvs1/test/pc", Pieces([b"head:", bytearray(b"body:"), memoryview(b"tail")]))
+        store.put_many([("kvs1/test/pc-big", Pieces([b"h" * 100, memoryview(big)]))])
+        assert _value(store, "kvs1/test/pc") == b"head:body:tail"
+        assert _value(store, "kvs1/test/pc-big") == b"h" * 100 + big
+        store.flush(10)
+        assert self.bypass_get(store, "kvs1/test/pc") == b"head:body:tail"
+
+    def test_a_leased_value_outlives_its_writers_release(self, store: Store) -> None:
+        pool = BufferPool(8 << 20)
+        expected = os.urandom(1 << 20)
+        lease = pool.lease(len(expected))
+        assert lease is not None
+        lease.view[:] = expected
+        store.put("kvs1/test/lease", Pieces([b"hdr", lease.view], owner=lease))
+        lease.release()  # the caller is done; a store that keeps the value must have retained it
+        again = pool.lease(len(expected))  # the same buffer, unless the store still holds it
+        assert again is not None
+        again.view[:] = bytes(len(expected))
+        store.flush(10)
+        assert _value(store, "kvs1/test/lease") == b"hdr" + expected
+        again.release()
+
+    def test_get_into_yields_leases_in_key_order(self, store: Store) -> None:
+        items = [(f"kvs1/test/gi{i}", os.urandom(1000 + (i % 3) * (1 << 20))) for i in range(6)]
+        store.put_many(items)
+        pool = BufferPool(64 << 20)
+        keys = [k for k, _ in items[:3]] + ["kvs1/test/gi-missing"] + [k for k, _ in items[3:]]
+        want = [v for _, v in items[:3]] + [None] + [v for _, v in items[3:]]
+        got = []
+        for lease in store.get_into(keys, pool):
+            got.append(None if lease is None else bytes(lease.view))
+            if lease is not None:
+                lease.release()
+        assert got == want
+        assert pool.stats()["leased_bytes"] == 0
+        assert list(store.get_into([], pool)) == []
+
+    def test_get_into_closed_early_releases_what_it_prefetched(self, store: Store) -> None:
+        items = [(f"kvs1/test/ge{i}", os.urandom(2 << 20)) for i in range(8)]
+        store.put_many(items)
+        pool = BufferPool(64 << 20)
+        stream = store.get_into([k for k, _ in items], pool)
+        first = next(stream)
+        assert first is not None and bytes(first.view) == items[0][1]
+        first.release()
+        stream.close()
+        assert pool.stats()["leased_bytes"] == 0
 
     # -- concurrency and description ------------------------------------------------------------
     def test_concurrent_writers_and_readers(self, store: Store) -> None:

@@ -7,10 +7,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvstore.buffers import Pieces
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.stores import Store, WrapperStore
-from kvstore.types import Buffer
+from kvstore.stores.base import WriteValue
 
 __all__ = ["EngineUnavailableError", "WarmEngine", "CountingStore"]
 
@@ -85,11 +86,15 @@ class CountingStore(WrapperStore):
         with self._lock:
             self.bytes_put += nbytes
 
-    def put(self, key: str, value: Buffer) -> None:
+    def put(self, key: str, value: WriteValue) -> None:
         self.inner.put(key, value)
-        self._count(memoryview(value).nbytes)
+        self._count(_nbytes(value))
 
-    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
+    def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         items = list(items)
         self.inner.put_many(items)
-        self._count(sum(memoryview(v).nbytes for _, v in items))
+        self._count(sum(_nbytes(v) for _, v in items))
+
+
+def _nbytes(value: WriteValue) -> int:
+    return len(value) if isinstance(value, Pieces) else memoryview(value).nbytes

@@ -41,6 +41,8 @@ class RedisConfig:
     ttl: float = option(0.0, kind="duration", help="Expire values this long after writing; 0 keeps them.")
     prefix: str = option("", help="Prepended to every key (several caches in one database).")
     max_connections: int = option(16, help="Connection pool size (per node in a cluster).")
+    connections: int = option(2, help="Connections a batch of large values is spread over, each read or written by "
+                                      "its own thread (at most max_connections).")
     timeout: float = option(1.0, kind="duration", help="Deadline of each socket read or write (an engine waits at most this, times 1 + retries, per call before the circuit breaker skips the tier).")
     connect_timeout: float = option(1.0, kind="duration", help="Deadline to connect.")
     retries: int = option(1, help="Immediate retries of a failed command (a pooled socket may be stale).")
@@ -48,6 +50,8 @@ class RedisConfig:
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ConfigError(f"max_connections={self.max_connections} must be at least 1")
+        if not 1 <= self.connections <= self.max_connections:
+            raise ConfigError(f"connections={self.connections} must be in [1, max_connections={self.max_connections}]")
         if self.retries < 0:
             raise ConfigError(f"retries={self.retries} must not be negative")
         if self.timeout <= 0 or self.connect_timeout <= 0:

@@ -17,12 +17,14 @@ upgrade that changes them fails loudly instead of silently losing speed or corre
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis
 from redis.connection import PythonRespSerializer
 
+from kvstore.buffers import Pieces, byte_view
 from kvstore.types import Buffer, array_view
 
 if TYPE_CHECKING:
@@ -35,10 +37,11 @@ except ImportError:  # pragma: no cover - older redis-py
     HIREDIS_AVAILABLE = False
 
 __all__ = ["Connection", "SSLConnection", "UnixConnection", "DirectReplies", "ZeroCopyPacker", "wire",
-           "raw_socket", "check_redis_py", "HUGE_VALUE"]
+           "raw_socket", "check_redis_py", "HUGE_VALUE", "pack_command", "send_all"]
 
 #: Values at least this large are received into numpy buffers (transparent huge pages).
 HUGE_VALUE = 1 << 20
+_JOIN_CUTOFF = 1 << 14  # smaller command arguments are joined into one buffer (fewer send calls)
 
 
 def check_redis_py() -> None:
@@ -83,16 +86,49 @@ class ZeroCopyPacker:
         self._python = PythonRespSerializer(buffer_cutoff, encode)
         self._small = HiredisRespSerializer() if HIREDIS_AVAILABLE else self._python
 
-    def pack(self, *args: Any) -> list[Buffer]:
+    def pack(self, *args: Any) -> list[Any]:
         cutoff = self._cutoff
-        packer: HiredisRespSerializer | PythonRespSerializer = self._small
         for arg in args:
+            if isinstance(arg, Pieces):
+                return pack_command(*args)
             if isinstance(arg, (bytes, bytearray, memoryview)) and len(arg) > cutoff:
-                packer = self._python
-                break
-        # redis-py leaves pack() unannotated: it returns the pieces to send, in order.
-        packed: list[Buffer] = packer.pack(*args)
-        return packed
+                packed: list[Any] = self._python.pack(*args)  # type: ignore[no-untyped-call]  # untyped in redis-py
+                return packed
+        small: list[Any] = self._small.pack(*args)  # type: ignore[no-untyped-call]
+        return small
+
+
+def _bulk(arg: Any) -> Any:
+    if isinstance(arg, str):
+        return arg.encode()
+    if isinstance(arg, int):
+        return str(arg).encode()
+    return arg
+
+
+def pack_command(*args: Any) -> list[Any]:
+    """One RESP command as the buffers to ``sendall`` in order: small parts joined, large
+    arguments and every part of a ``Pieces`` argument passed through as they are (no copy)."""
+    out: list[Any] = []
+    head = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        value = _bulk(arg)
+        if isinstance(value, Pieces):
+            head.append(b"$%d\r\n" % value.nbytes)
+            out.append(b"".join(head))
+            out.extend(value.parts)
+            head = [b"\r\n"]
+            continue
+        view = byte_view(value)
+        if len(view) > _JOIN_CUTOFF:
+            head.append(b"$%d\r\n" % len(view))
+            out.append(b"".join(head))
+            out.append(view)
+            head = [b"\r\n"]
+        else:
+            head += [b"$%d\r\n" % len(view), bytes(view), b"\r\n"]
+    out.append(b"".join(head))
+    return out
 
 
 class _PackerMixin:
@@ -153,7 +189,9 @@ class DirectReplies:
         del self._buf[:end + 2]
         return line
 
-    def value(self) -> memoryview | None:
+    def value(self, into: Callable[[int], memoryview] | None = None) -> memoryview | None:
+        """The next GET reply's value (``None`` for a miss), received into ``into(size)`` when
+        given (a leased buffer of exactly ``size`` bytes), else into a new buffer."""
         line = self._line()
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
@@ -163,9 +201,12 @@ class DirectReplies:
         if kind != b"$":
             raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:40]!r}")
         size = int(line[1:])
-        # A fresh buffer over glibc's mmap threshold page-faults per 4 KiB page (about 0.4 GB/s
-        # here for 32 MiB); numpy asks the kernel for transparent huge pages: about 2x faster.
-        view = array_view(np.empty(size, dtype=np.uint8)) if size >= HUGE_VALUE else memoryview(bytearray(size))
+        if into is not None:
+            view = into(size)
+        else:
+            # A fresh buffer over glibc's mmap threshold page-faults per 4 KiB page; numpy asks
+            # the kernel for transparent huge pages, which fault far less often.
+            view = array_view(np.empty(size, dtype=np.uint8)) if size >= HUGE_VALUE else memoryview(bytearray(size))
         have = min(size, len(self._buf))
         view[:have] = self._buf[:have]
         del self._buf[:have]
@@ -178,3 +219,29 @@ class DirectReplies:
             self._fill()
         del self._buf[:2]
         return view
+
+    def status(self) -> None:
+        """Read one simple reply (``+OK`` of a SET); an error reply raises ``ResponseError``."""
+        line = self._line()
+        if line[:1] == b"-":
+            raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] not in (b"+", b"$", b":", b"_"):
+            raise redis.exceptions.InvalidResponse(f"unexpected reply to SET: {line[:40]!r}")
+
+
+def send_all(sock: Any, buffers: Sequence[Any]) -> None:
+    """``sendall`` every buffer in order, small neighbours coalesced (fewer system calls)."""
+    pending: list[Any] = []
+    size = 0
+    for buf in buffers:
+        n = len(buf)
+        if n <= _JOIN_CUTOFF:
+            pending.append(buf)
+            size += n
+            continue
+        if pending:
+            sock.sendall(b"".join(pending))
+            pending, size = [], 0
+        sock.sendall(buf)
+    if pending:
+        sock.sendall(b"".join(pending))

@@ -6,8 +6,12 @@ operation and talks to whichever client ``_make_client`` builds (``redis.Redis``
 commands by node and sends one batch per node, so batch operations and ``longest_prefix`` cost
 one round trip per node involved. Keys are spread over slots by their own hash (no hash tags).
 
-Large values go out without being copied and GET replies are received straight into buffers of
-their final size (``hooks``: the parts of redis-py this relies on).
+Large values go out without being copied (a record's header and payload are sent as separate
+pieces) and GET replies are received straight into buffers of their final size: leased pool
+buffers for ``get_into`` (``hooks``: the parts of redis-py this relies on). On a single server,
+a batch of large values is spread over ``connections`` connections, each sent and read by its
+own thread with the GIL released in the socket calls, and ``get_into`` yields value i while
+values after it are still arriving.
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
 ``StoreUnavailableError`` raised from it; a missing key is ``None``. No network I/O happens in
@@ -17,20 +21,24 @@ the constructor: a store built while Redis is down works once Redis is back.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.config import redact_url
 from kvstore.errors import ConfigError, StoreUnavailableError
-from kvstore.stores.base import Buffer, Store, Value
+from kvstore.stores.base import Store, Value, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import RedisConfig
+from kvstore.types import array_view
 
 __all__ = ["RedisStore", "RedisClusterStore"]
 
@@ -39,8 +47,36 @@ _SCAN_COUNT = 1000
 # hiredis; 1 MiB pieces halve the cost of multi-MiB GETs.
 _READ_SIZE = 1 << 20
 
+_SPREAD_BYTES = 4 << 20  # a batch spreads over several connections once it moves this much
+_LEASE_WAIT = 0.05  # a reader waits this long for a pool buffer, then receives into a fresh one
+
 #: A pipelined command: the client method's name, its arguments and its keyword arguments.
 _Command = tuple[str, tuple[Any, ...], dict[str, Any]]
+_NETWORK_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+class _Cancelled(Exception):
+    """Internal: the reader of an abandoned ``get_into`` stops (its connection is dropped)."""
+
+
+class _Slot:
+    """One value of a ``get_into`` batch, filled by a reader thread."""
+
+    __slots__ = ("done", "error", "lease")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.lease: Lease | None = None
+        self.error: BaseException | None = None
+
+
+def _spread(sizes: Sequence[int], n: int) -> list[list[int]]:
+    """Indices of ``sizes`` dealt round-robin into ``n`` groups (value i and i+1 on different
+    connections, so the next value a consumer needs is always in flight)."""
+    groups: list[list[int]] = [[] for _ in range(max(1, min(n, len(sizes))))]
+    for i in range(len(sizes)):
+        groups[i % len(groups)].append(i)
+    return groups
 
 
 class _RedisStoreBase(Store):
@@ -56,6 +92,7 @@ class _RedisStoreBase(Store):
         self._client: Any = None
         self._client_lock = threading.Lock()
         self._closed = False
+        self._executor: ThreadPoolExecutor | None = None
 
     @classmethod
     def from_url(cls, url: str) -> _RedisStoreBase:
@@ -129,6 +166,66 @@ class _RedisStoreBase(Store):
             replies: list[Any] = pipe.execute()
             return replies
 
+    # -- direct socket I/O (a single server) -----------------------------------------------------
+    def _threads(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            with self._client_lock:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(self.config.connections, thread_name_prefix="kvstore-redis")
+        return self._executor
+
+    def _exchange(self, pool: Any, packed: Sequence[Any], n_replies: int,
+                  on_reply: Callable[[hooks.DirectReplies, int], None]) -> None:
+        """Send ``packed`` on one pooled connection, then hand each of the ``n_replies`` replies to
+        ``on_reply(reader, i)``. A network failure before the first reply retries on a fresh
+        connection (a pooled socket may be stale after a server restart); a connection left
+        mid-stream is dropped, never reused."""
+        for attempt in range(self.config.retries + 1):
+            conn = pool.get_connection()
+            replied = False
+            try:
+                sock = hooks.raw_socket(conn)
+                hooks.send_all(sock, packed)
+                reader = hooks.DirectReplies(sock)
+                for i in range(n_replies):
+                    on_reply(reader, i)
+                    replied = True
+                return
+            except _NETWORK_ERRORS as exc:
+                conn.disconnect()
+                if replied or attempt == self.config.retries:
+                    if isinstance(exc, redis.exceptions.RedisError):
+                        raise
+                    raise redis.exceptions.ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+            except BaseException:
+                conn.disconnect()
+                raise
+            finally:
+                pool.release(conn)
+
+    def _in_parallel(self, jobs: Sequence[Callable[[], None]]) -> None:
+        """Run ``jobs`` on the store's threads (the first on the caller's); the first error is raised."""
+        futures = [self._threads().submit(job) for job in jobs[1:]]
+        error: BaseException | None = None
+        try:
+            if jobs:
+                jobs[0]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other jobs ended
+            error = exc
+        for fut in futures:
+            try:
+                fut.result()
+            except BaseException as exc:  # noqa: BLE001 - the first error wins
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def _set_command(self, key: str, value: WriteValue) -> list[Any]:
+        args: list[Any] = ["SET", self._key(key), value if isinstance(value, Pieces) else hooks.wire(value)]
+        if self._px:
+            args += ["PX", self._px]
+        return hooks.pack_command(*args)
+
     # -- the small contract --------------------------------------------------------------------
     def get(self, key: str) -> Value | None:
         if self._direct_pool() is not None:
@@ -137,9 +234,8 @@ class _RedisStoreBase(Store):
             value: Value | None = self._redis.get(self._key(key))
             return value
 
-    def put(self, key: str, value: Buffer) -> None:
-        with self._errors():
-            self._redis.set(self._key(key), hooks.wire(value), px=self._px)
+    def put(self, key: str, value: WriteValue) -> None:
+        self.put_many([(key, value)])
 
     def delete(self, key: str) -> bool:
         with self._errors():
@@ -156,35 +252,100 @@ class _RedisStoreBase(Store):
             for raw in self._redis.scan_iter(match=pattern, count=_SCAN_COUNT):
                 yield (raw.decode() if isinstance(raw, bytes) else raw)[cut:]
 
-    # -- batch forms: one pipeline each --------------------------------------------------------
+    # -- batch forms: one pipeline each (several connections for large values) --------------------
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         pool = self._direct_pool() if keys else None
         if pool is None:
             return self._pipeline(("get", (self._key(k),), {}) for k in keys)
-        packed_args = [("GET", self._key(k)) for k in keys]
-        with self._errors():
-            for attempt in range(self.config.retries + 1):  # a pooled socket may be stale
-                conn = pool.get_connection()
-                try:
-                    conn.send_packed_command(conn.pack_commands(packed_args))
-                    reader = hooks.DirectReplies(hooks.raw_socket(conn))
-                    return [reader.value() for _ in keys]
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
-                    conn.disconnect()  # the stream is mid-reply: never reuse it
-                    if attempt == self.config.retries:
-                        if isinstance(exc, redis.exceptions.RedisError):
-                            raise
-                        raise redis.exceptions.ConnectionError(f"{type(exc).__name__}: {exc}") from exc
-                except BaseException:
-                    conn.disconnect()
-                    raise
-                finally:
-                    pool.release(conn)
-        raise AssertionError("unreachable")
+        packed = [b for k in keys for b in hooks.pack_command("GET", self._key(k))]
+        out: list[Value | None] = [None] * len(keys)
 
-    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
-        px = self._px
-        self._pipeline(("set", (self._key(k), hooks.wire(v)), {"px": px}) for k, v in items)
+        def on_reply(reader: hooks.DirectReplies, i: int) -> None:
+            out[i] = reader.value()
+
+        with self._errors():
+            self._exchange(pool, packed, len(keys), on_reply)
+        return out
+
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+        """Values received straight into leases of ``pool``, spread over ``connections``
+        connections; value i is yielded while later ones are still arriving."""
+        direct = self._direct_pool() if keys else None
+        if direct is None:
+            yield from super().get_into(keys, pool)
+            return
+        slots = [_Slot() for _ in keys]
+        cancel = threading.Event()
+        groups = _spread([0] * len(keys), self.config.connections)
+        futures: list[Future[None]] = [
+            self._threads().submit(self._read_into, direct, [keys[i] for i in g], [slots[i] for i in g], pool, cancel)
+            for g in groups]
+        try:
+            for slot in slots:
+                slot.done.wait()
+                if slot.error is not None:
+                    with self._errors():
+                        raise slot.error
+                lease, slot.lease = slot.lease, None
+                yield lease
+        finally:
+            cancel.set()
+            for fut in futures:
+                fut.exception()  # wait: a reader must stop before its slots are released
+            for slot in slots:
+                if slot.lease is not None:
+                    slot.lease.release()
+                    slot.lease = None
+
+    def _read_into(self, direct: Any, keys: list[str], slots: list[_Slot], pool: BufferPool,
+                   cancel: threading.Event) -> None:
+        packed = [b for k in keys for b in hooks.pack_command("GET", self._key(k))]
+
+        def on_reply(reader: hooks.DirectReplies, i: int) -> None:
+            if cancel.is_set():
+                raise _Cancelled
+            leased: list[Lease] = []
+
+            def into(size: int) -> memoryview:
+                lease = pool.lease(size, wait=_LEASE_WAIT) or borrow(array_view(np.empty(size, np.uint8)))
+                leased.append(lease)
+                return lease.view
+
+            try:
+                view = reader.value(into)
+            except BaseException:
+                for lease in leased:
+                    lease.release()
+                raise
+            slot = slots[i]
+            slot.lease = leased[0] if view is not None else None
+            slot.done.set()
+
+        try:
+            self._exchange(direct, packed, len(keys), on_reply)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer through the slots
+            for slot in slots:
+                if not slot.done.is_set():
+                    slot.error = exc
+                    slot.done.set()
+
+    def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
+        items = list(items)
+        pool = self._direct_pool() if items else None
+        if pool is None:
+            px = self._px
+            self._pipeline(("set", (self._key(k), v if isinstance(v, Pieces) else hooks.wire(v)), {"px": px})
+                           for k, v in items)
+            return
+        sizes = [len(v) if isinstance(v, Pieces) else len(hooks.wire(v)) for _, v in items]
+        groups = _spread(sizes, self.config.connections if sum(sizes) >= _SPREAD_BYTES else 1)
+
+        def send(group: list[int]) -> Callable[[], None]:
+            packed = [b for i in group for b in self._set_command(*items[i])]
+            return lambda: self._exchange(pool, packed, len(group), lambda reader, _: reader.status())
+
+        with self._errors():
+            self._in_parallel([send(g) for g in groups])
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._pipeline(("exists", (self._key(k),), {}) for k in keys)]
@@ -215,6 +376,9 @@ class _RedisStoreBase(Store):
         with self._client_lock:
             self._closed = True
             client, self._client = self._client, None
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
         if client is not None:
             try:
                 client.close()

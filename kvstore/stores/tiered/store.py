@@ -22,8 +22,12 @@ Contract (on top of ``Store``'s):
 * ``flush(timeout)`` waits for queued writes; ``close(timeout)`` drains for at most ``timeout``
   then closes every tier.
 
-The value given to ``put`` is copied once (to ``bytes``) when it is not ``bytes`` already; every
-tier and queue shares that copy.
+Ownership: local tiers copy what ``put`` gives them. The shared tiers' queues hold the value
+until it is sent: ``bytes`` as they are, ``Pieces`` owned by a lease by retaining that lease
+(no copy: a record gathered into a pool buffer goes out from that buffer), anything else copied
+once into a pool buffer (``pool``; ``bytes`` if the pool is full). ``get_into`` streams each
+tier's values (a Redis tier receives later values while the caller verifies earlier ones) and
+promotes hits from lower tiers by handing the same leased buffer to the tiers above.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
 from kvstore.config import build
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import BYTES_READ, BYTES_WRITTEN
-from kvstore.stores.base import Buffer, Store, Value
+from kvstore.stores.base import Store, Value, WriteValue
 from kvstore.stores.registry import open_backend
 from kvstore.stores.tiered.config import TieredConfig
 from kvstore.stores.tiered.tier import Tier, tier_names
@@ -52,12 +57,14 @@ class TieredStore(Store):
     Config = TieredConfig
 
     def __init__(self, stores: Sequence[Store], config: TieredConfig | None = None, *,
-                 clock: Callable[[], float] = time.monotonic, **options: Any) -> None:
+                 clock: Callable[[], float] = time.monotonic, pool: BufferPool | None = None,
+                 **options: Any) -> None:
         if not stores:
             raise ConfigError("a tiered store needs at least one tier")
         if config is not None and options:
             raise ConfigError("give TieredStore either config= or options, not both")
         self.config = config or build(TieredConfig, options, where="tiered store")
+        self.pool = pool or default_pool()
         self.tiers = [Tier(s, n, self.config, clock=clock) for s, n in zip(stores, tier_names(stores))]
         self._writers = [t.writer for t in self.tiers if t.writer is not None]
         self._closed = False
@@ -89,7 +96,12 @@ class TieredStore(Store):
                 break
             if tier.writer is not None:  # values still on their way to this tier
                 for j in missing:
-                    out[j] = tier.writer.lookup(keys[j])
+                    queued = tier.writer.lookup(keys[j])
+                    if isinstance(queued, Pieces):
+                        out[j] = queued.tobytes()
+                        queued.release()
+                    else:
+                        out[j] = queued
                 missing = [j for j in missing if out[j] is None]
                 if not missing:
                     break
@@ -114,6 +126,52 @@ class TieredStore(Store):
             missing = still
         return out
 
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+        """The values in key order as leases, tier by tier, each tier's values streamed; a key
+        is yielded as soon as it and every key before it are resolved."""
+        resolved: dict[int, Lease | None] = {}
+        missing = list(range(len(keys)))
+        next_out = 0
+        try:
+            for level, tier in enumerate(self.tiers):
+                if not missing:
+                    break
+                if tier.writer is not None:  # values still on their way to this tier
+                    for j in missing:
+                        queued = tier.writer.lookup(keys[j])
+                        if queued is not None:
+                            resolved[j] = _lease_of(queued, pool)
+                            if isinstance(queued, Pieces):
+                                queued.release()
+                    missing = [j for j in missing if j not in resolved]
+                still: list[int] = []
+                nbytes = 0
+                stream = tier.stream([keys[j] for j in missing], pool)
+                try:
+                    for j, lease in zip(missing, stream):
+                        if lease is None:
+                            still.append(j)
+                            continue
+                        resolved[j] = lease
+                        nbytes += lease.nbytes
+                        if level and self.config.promote:
+                            self._write(self.tiers[:level], [(keys[j], Pieces([lease.view], owner=lease))])
+                        while next_out in resolved:
+                            yield resolved.pop(next_out)
+                            next_out += 1
+                finally:
+                    stream.close()
+                    if nbytes:
+                        BYTES_READ.inc(nbytes, tier=tier.name)
+                missing = still
+            for j in range(next_out, len(keys)):
+                next_out = j + 1
+                yield resolved.pop(j, None)
+        finally:
+            for lease in resolved.values():
+                if lease is not None:
+                    lease.release()
+
     def exists(self, key: str) -> bool:
         return self.exists_many([key])[0]
 
@@ -123,9 +181,9 @@ class TieredStore(Store):
             todo = [j for j, p in enumerate(present) if not p]
             if not todo:
                 break
-            answers = tier.call("exists_many", [keys[j] for j in todo],
-                                [False] * len(todo))
+            # Queued first: a write that lands meanwhile is then found by the store.
             queued = tier.writer.holds(keys[j] for j in todo) if tier.writer else [False] * len(todo)
+            answers = tier.call("exists_many", [keys[j] for j in todo], [False] * len(todo))
             for j, a, q in zip(todo, answers, queued):
                 present[j] = a or q
         return present
@@ -157,6 +215,8 @@ class TieredStore(Store):
                 for j in todo:
                     v = tier.writer.lookup(keys[j])
                     sizes[j] = None if v is None else len(v)
+                    if isinstance(v, Pieces):
+                        v.release()
                 todo = [j for j in todo if sizes[j] is None]
             answers = tier.call("size_many", [keys[j] for j in todo], [None] * len(todo))
             for j, s in zip(todo, answers):
@@ -175,27 +235,46 @@ class TieredStore(Store):
                     yield k
 
     # -- writes --------------------------------------------------------------------------------
-    def put(self, key: str, value: Buffer) -> None:
+    def put(self, key: str, value: WriteValue) -> None:
         self.put_many([(key, value)])
 
-    def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
-        owned = [(k, v if isinstance(v, bytes) else bytes(memoryview(v).cast("B"))) for k, v in items]
-        if owned:
-            self._write(self.tiers, owned)
+    def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
+        items = list(items)
+        if items:
+            self._write(self.tiers, items)
 
-    def _write(self, tiers: Sequence[Tier], items: list[tuple[str, Any]]) -> None:
-        """Local tiers now, shared tiers through their queues (values must be immutable bytes there)."""
-        queued: list[tuple[str, bytes]] | None = None
+    def _write(self, tiers: Sequence[Tier], items: list[tuple[str, WriteValue]]) -> None:
+        """Local tiers now, shared tiers through their queues (each holding the value until sent)."""
+        kept: list[tuple[str, Value | Pieces]] | None = None
         for tier in tiers:
             if tier.writer is None:
                 nbytes = sum(len(v) for _, v in items)
                 if tier.write(items):
                     BYTES_WRITTEN.inc(nbytes, tier=tier.name)
             else:
-                if queued is None:
-                    queued = [(k, v if isinstance(v, bytes) else bytes(v)) for k, v in items]
-                for k, v in queued:
-                    tier.writer.submit(k, v)
+                if kept is None:
+                    kept = [(k, self._keepable(v)) for k, v in items]
+                for k, v in kept:
+                    tier.writer.submit(k, v.retain() if isinstance(v, Pieces) else v)
+        for _, v in kept or ():
+            if isinstance(v, Pieces):
+                v.release()  # each writer holds its own reference now
+
+    def _keepable(self, value: WriteValue) -> Value | Pieces:
+        """``value`` in a form a queue may hold past this call; the caller owns one reference."""
+        if isinstance(value, bytes):
+            return value
+        if isinstance(value, Pieces) and value.owner is not None:
+            return value.retain()
+        n = len(value) if isinstance(value, Pieces) else memoryview(value).nbytes
+        lease = self.pool.lease(n)
+        if lease is None:
+            return value.tobytes() if isinstance(value, Pieces) else bytes(value)
+        if isinstance(value, Pieces):
+            value.copy_into(lease.view)
+        else:
+            lease.view[:] = memoryview(value).cast("B")
+        return Pieces([lease.view], owner=lease)
 
     def delete(self, key: str) -> bool:
         return self.delete_many([key]) > 0
@@ -260,3 +339,13 @@ class TieredStore(Store):
 
     def describe(self) -> dict[str, Any]:
         return {"store": "tiered", **self.stats()}
+
+
+def _lease_of(value: Value | Pieces, pool: BufferPool) -> Lease:
+    """A value still queued for a tier, as a lease the reader owns (a copy: the queue keeps its own)."""
+    lease = pool.lease(len(value)) or Lease(None, bytearray(len(value)), len(value))
+    if isinstance(value, Pieces):
+        value.copy_into(lease.view)
+    else:
+        lease.view[:] = memoryview(value).cast("B")
+    return lease

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from kvstore.buffers import BufferPool, Lease
 from kvstore.errors import StoreUnavailableError
 from kvstore.metrics.catalog import ERRORS, LATENCY
 from kvstore.stores.base import Store
@@ -38,6 +39,30 @@ class Tier:
         method: Callable[[Any], T] = getattr(self.store, op)
         return self._guarded(op, lambda: method(arg), default)
 
+    def stream(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+        """``store.get_into(keys, pool)`` guarded by the breaker: skipped or failing, the keys not
+        yet yielded are misses (the failure counted, never raised)."""
+        if not keys:
+            return
+        if not self.breaker.allow():
+            yield from [None] * len(keys)
+            return
+        start = time.perf_counter()
+        yielded = 0
+        inner = self.store.get_into(keys, pool)
+        try:
+            for lease in inner:
+                yielded += 1
+                yield lease
+        except Exception as exc:  # noqa: BLE001 - a tier's failure must never reach the engine
+            self._failed("get_into", exc)
+            yield from [None] * (len(keys) - yielded)
+            return
+        finally:
+            inner.close()
+        LATENCY.observe(time.perf_counter() - start, op=f"{self.name}.get_into")
+        self.breaker.success()
+
     def iter_keys(self, prefix: str) -> list[str]:
         return self._guarded("iter_keys", lambda: list(self.store.iter_keys(prefix)), [])
 
@@ -49,18 +74,21 @@ class Tier:
 
         return self._guarded("put_many", put, False)
 
+    def _failed(self, op: str, exc: Exception) -> None:
+        kind = "unavailable" if isinstance(exc, StoreUnavailableError) else "error"
+        ERRORS.inc(tier=self.name, kind=kind)
+        if kind == "error":
+            log.debug("kvstore tier %s: %s failed", self.name, op, exc_info=True)
+        self.breaker.failure(f"{type(exc).__name__}: {exc}")
+
     def _guarded(self, op: str, fn: Callable[[], T], default: T) -> T:
         if not self.breaker.allow():
             return default
         start = time.perf_counter()
         try:
             result = fn()
-        except Exception as exc:
-            kind = "unavailable" if isinstance(exc, StoreUnavailableError) else "error"
-            ERRORS.inc(tier=self.name, kind=kind)
-            if kind == "error":
-                log.debug("kvstore tier %s: %s failed", self.name, op, exc_info=True)
-            self.breaker.failure(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a tier's failure must never reach the engine
+            self._failed(op, exc)
             return default
         LATENCY.observe(time.perf_counter() - start, op=f"{self.name}.{op}")
         self.breaker.success()

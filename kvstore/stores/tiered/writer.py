@@ -5,6 +5,9 @@ tier whose breaker is open or a closed writer drops the new write and counts it
 (``kvstore_write_drops_total{tier,reason}``). Writes of the same key coalesce (the latest value
 wins). Values queued or in flight are visible to readers (``lookup``, ``holds``), so a replica
 reads its own writes.
+
+A submitted value is the writer's: ``bytes``, or ``Pieces`` whose owner lease the writer
+releases once the value is sent, replaced, withdrawn or dropped.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from kvstore.buffers import Pieces
 from kvstore.metrics.catalog import BYTES_WRITTEN, QUEUE_BYTES, QUEUE_ITEMS, WRITE_DROPS
+from kvstore.stores.base import Value
 from kvstore.stores.tiered.breaker import OPEN
 from kvstore.stores.tiered.config import TieredConfig
 
@@ -37,9 +42,9 @@ class Writer:
         self.max_bytes = config.queue_bytes
         self.batch_bytes = config.batch_bytes
         self._cond = threading.Condition()
-        self._pending: OrderedDict[str, bytes] = OrderedDict()
+        self._pending: OrderedDict[str, Value | Pieces] = OrderedDict()
         self._pending_bytes = 0
-        self._in_flight: dict[str, bytes] = {}
+        self._in_flight: dict[str, Value | Pieces] = {}
         self._closed = False
         self._dropping = False
         self.dropped = 0
@@ -48,8 +53,9 @@ class Writer:
         self._thread.start()
 
     # -- producer side -------------------------------------------------------------------------
-    def submit(self, key: str, data: bytes) -> bool:
-        """Queue a write; False (and counted) if it was dropped. Never blocks beyond a lock."""
+    def submit(self, key: str, data: Value | Pieces) -> bool:
+        """Queue a write (the writer now owns ``data``); False (and counted) if it was dropped.
+        Never blocks beyond a lock."""
         reason = None
         with self._cond:
             old = self._pending.get(key)
@@ -63,6 +69,8 @@ class Writer:
                 # (An empty queue takes one value even if it is larger than queue_bytes.)
                 reason = "queue_full"
             if reason is None:
+                if old is not None:
+                    _release(old)
                 self._pending[key] = data
                 self._pending_bytes += grow
                 if self._dropping:
@@ -77,13 +85,18 @@ class Writer:
                 self._dropping = True
                 log.warning("kvstore tier %s: write queue full (%d items, %d bytes), dropping new writes",
                             self.tier.name, len(self._pending), self._pending_bytes)
+        _release(data)
         WRITE_DROPS.inc(tier=self.tier.name, reason=reason)
         return False
 
-    def lookup(self, key: str) -> bytes | None:
+    def lookup(self, key: str) -> Value | Pieces | None:
+        """The value queued or in flight for ``key``, retained for the caller (who releases a
+        ``Pieces``), or ``None``."""
         with self._cond:
             value = self._pending.get(key)
-            return value if value is not None else self._in_flight.get(key)
+            if value is None:
+                value = self._in_flight.get(key)
+            return value.retain() if isinstance(value, Pieces) else value
 
     def holds(self, keys: Iterable[str]) -> list[bool]:
         with self._cond:
@@ -100,6 +113,7 @@ class Writer:
             old = self._pending.pop(key, None)
             if old is not None:
                 self._pending_bytes -= len(old)
+                _release(old)
                 self._publish()
             while key in self._in_flight:
                 left = deadline - time.monotonic()
@@ -131,6 +145,8 @@ class Writer:
             ok = not skipped and self.tier.write(batch)
             with self._cond:
                 self._in_flight.clear()
+                for _, data in batch:
+                    _release(data)
                 if ok:
                     self.written += len(batch)
                 else:
@@ -157,6 +173,8 @@ class Writer:
         with self._cond:
             self._closed = True
             lost = len(self._pending)
+            for data in self._pending.values():
+                _release(data)
             self._pending.clear()
             self._pending_bytes = 0
             self.dropped += lost
@@ -171,3 +189,8 @@ class Writer:
     def _publish(self) -> None:
         QUEUE_ITEMS.set(len(self._pending), tier=self.tier.name)
         QUEUE_BYTES.set(self._pending_bytes, tier=self.tier.name)
+
+
+def _release(value: Value | Pieces) -> None:
+    if isinstance(value, Pieces):
+        value.release()

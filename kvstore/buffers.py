@@ -1,0 +1,275 @@
+"""A bounded pool of resident host buffers that the data path leases instead of allocating.
+
+A fresh multi-MiB buffer page-faults on first touch, which on the VMs we measure costs more than
+sending the bytes over loopback (``docs/operations.md``: the page-fault cliff). So records are
+gathered into, and read into, buffers that stay mapped: ``BufferPool.lease(nbytes)`` hands out a
+``Lease`` over a resident buffer of at least ``nbytes`` bytes (pinned on CUDA, so host<->device
+copies can be asynchronous), and ``Lease.release()`` gives it back for the next lease.
+
+Contract:
+
+* A lease is reference-counted: the first holder owns one reference; ``retain()`` adds one for
+  each further holder (a background writer that still has to send it) and each ``release()``
+  drops one. When the last is dropped the buffer returns to the pool; using ``view`` after that
+  is a bug. Releasing more often than retained raises.
+* The pool never holds more than ``max_bytes``, leased and free together. When a lease does not
+  fit, free buffers are dropped (largest first) to make room; if it still does not fit the pool
+  waits up to ``wait`` seconds for releases and then returns ``None``: callers treat that as "no
+  room right now" (a save drops the chunk and counts it, a load stops prefetching), never as an
+  error. A single request larger than ``max_bytes`` is served by a buffer outside the budget,
+  freed on release (counted in ``stats()["oversize"]``).
+* ``borrow(buffer)`` wraps memory the caller already owns (an immutable ``bytes`` from a store)
+  as a lease whose release does nothing, so code downstream handles one type.
+* Thread-safe.
+
+``Pieces`` is one value made of several buffers (a record's header beside its payload) that
+stores send or write in order without joining them, optionally owned by a lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvstore.errors import ConfigError
+from kvstore.types import Buffer
+
+__all__ = ["BufferPool", "Lease", "Pieces", "borrow", "default_pool", "configure_default_pool", "DEFAULT_POOL_BYTES",
+           "byte_view"]
+
+#: Default budget of the process-wide pool (``configure_default_pool`` changes it).
+DEFAULT_POOL_BYTES = 1 << 30
+_ALIGN = 1 << 16  # buffers are sized in 64 KiB steps: a record's header varies by a few KiB
+_PAGE = 4096
+
+
+class Lease:
+    """``nbytes`` of a buffer: ``view`` is a writable, byte-addressed memoryview of exactly that size."""
+
+    __slots__ = ("_buf", "_pool", "_refs", "nbytes", "view")
+
+    def __init__(self, pool: BufferPool | None, buf: Any, nbytes: int) -> None:
+        self._pool = pool
+        self._buf = buf
+        self._refs = 1
+        self.nbytes = nbytes
+        self.view: memoryview = byte_view(buf)[:nbytes]
+
+    @property
+    def array(self) -> np.ndarray:
+        """The leased bytes as a numpy uint8 array (no copy)."""
+        return np.frombuffer(self.view, dtype=np.uint8)
+
+    def retain(self) -> Lease:
+        """Add a holder; returns ``self``."""
+        pool = self._pool
+        if pool is None:
+            return self
+        with pool._lock:
+            if self._refs <= 0:
+                raise RuntimeError("retain() of a released lease")
+            self._refs += 1
+        return self
+
+    def release(self) -> None:
+        """Drop one holder; the last one gives the buffer back to the pool."""
+        pool = self._pool
+        if pool is None:
+            return
+        pool._release(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+def borrow(buffer: Buffer) -> Lease:
+    """``buffer`` (owned elsewhere, e.g. a value a store returned) as a lease whose release does nothing."""
+    return Lease(None, buffer, memoryview(buffer).nbytes)
+
+
+def byte_view(buf: Any) -> memoryview:
+    """``buf`` as a flat, byte-addressed memoryview (``len`` is its size in bytes); no copy."""
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class Pieces:
+    r"""One value made of ``parts`` in order, never joined on the hot path.
+
+    ``owner`` (a lease) keeps the parts' memory alive: a holder that keeps the value beyond the
+    call that received it (a background writer) ``retain()``\ s it and ``release()``\ s it when
+    done; without an owner the parts are only valid during that call.
+    """
+
+    __slots__ = ("nbytes", "owner", "parts")
+
+    def __init__(self, parts: Sequence[Buffer], owner: Lease | None = None) -> None:
+        self.parts = tuple(byte_view(p) for p in parts)
+        self.nbytes = sum(len(p) for p in self.parts)
+        self.owner = owner
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def tobytes(self) -> bytes:
+        return b"".join(self.parts)
+
+    def copy_into(self, out: memoryview) -> None:
+        """Write the value's bytes to the start of ``out``."""
+        pos = 0
+        for part in self.parts:
+            out[pos:pos + len(part)] = part
+            pos += len(part)
+
+    def retain(self) -> Pieces:
+        if self.owner is not None:
+            self.owner.retain()
+        return self
+
+    def release(self) -> None:
+        if self.owner is not None:
+            self.owner.release()
+
+
+@dataclass
+class _Stats:
+    leases: int = 0
+    allocations: int = 0
+    misses: int = 0
+    oversize: int = 0
+
+
+class BufferPool:
+    """Resident buffers up to ``max_bytes`` in total; see the module docstring."""
+
+    def __init__(self, max_bytes: int = DEFAULT_POOL_BYTES, *, pin: bool = False) -> None:
+        if type(max_bytes) is not int or max_bytes < _ALIGN:
+            raise ConfigError(f"buffer pool max_bytes={max_bytes!r} must be an integer of at least {_ALIGN} bytes")
+        self.max_bytes = max_bytes
+        self.pin = bool(pin)
+        self._lock = threading.Condition()
+        self._free: list[Any] = []  # buffers not leased, any size
+        self._held = 0  # bytes of every buffer the pool owns (free and leased)
+        self._leased = 0
+        self._stats = _Stats()
+
+    # -- leasing ------------------------------------------------------------------------------------
+    def lease(self, nbytes: int, *, wait: float = 0.0) -> Lease | None:
+        """A lease of ``nbytes`` bytes, or ``None`` when the budget stays full for ``wait`` seconds."""
+        if nbytes < 0:
+            raise ValueError(f"cannot lease {nbytes} bytes")
+        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        deadline = time.monotonic() + wait
+        with self._lock:
+            self._stats.leases += 1
+            if size > self.max_bytes:
+                self._stats.oversize += 1
+                return Lease(self, self._allocate(size), nbytes)
+            while True:
+                buf = self._take(size)
+                if buf is not None:
+                    break
+                if self._make_room(size):
+                    buf = self._allocate(size)
+                    self._held += size
+                    self._stats.allocations += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._stats.misses += 1
+                    return None
+                self._lock.wait(left)
+            self._leased += len(buf)
+            return Lease(self, buf, nbytes)
+
+    def _take(self, size: int) -> Any:
+        """The smallest free buffer of at least ``size`` bytes but not wastefully larger, or None."""
+        best = None
+        for i, buf in enumerate(self._free):
+            n = len(buf)
+            if size <= n <= 2 * size and (best is None or n < len(self._free[best])):
+                best = i
+        return None if best is None else self._free.pop(best)
+
+    def _make_room(self, size: int) -> bool:
+        """Drop free buffers (largest first) until ``size`` more bytes fit in the budget."""
+        if self._held + size <= self.max_bytes:
+            return True
+        self._free.sort(key=len)
+        while self._free and self._held + size > self.max_bytes:
+            self._held -= len(self._free.pop())
+        return self._held + size <= self.max_bytes
+
+    def _allocate(self, size: int) -> Any:
+        if self.pin:
+            import torch  # only pinned pools need torch (CUDA builds)
+
+            t = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            buf: Any = t.numpy()
+        else:
+            buf = np.empty(size, dtype=np.uint8)
+        buf[::_PAGE] = 0  # fault every page in now, once, not on the hot path
+        return buf
+
+    def _release(self, lease: Lease) -> None:
+        with self._lock:
+            if lease._refs <= 0:
+                raise RuntimeError("release() of a lease that was already released")
+            lease._refs -= 1
+            if lease._refs:
+                return
+            buf, lease._buf = lease._buf, None
+            size = len(buf)
+            if size > self.max_bytes:  # an oversize buffer: freed, never pooled
+                return
+            self._leased -= size
+            self._free.append(buf)
+            self._lock.notify_all()
+
+    # -- introspection --------------------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """Bytes held, leased and free, and counts of leases, allocations, misses and oversize leases."""
+        with self._lock:
+            return {"max_bytes": self.max_bytes, "held_bytes": self._held, "leased_bytes": self._leased,
+                    "free_buffers": len(self._free), **vars(self._stats)}
+
+    def clear(self) -> None:
+        """Drop every free buffer (leased ones return to the pool later)."""
+        with self._lock:
+            self._held -= sum(len(b) for b in self._free)
+            self._free.clear()
+
+
+_default: BufferPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> BufferPool:
+    """The process-wide pool the stores and transfers use unless given one (built on first use)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = BufferPool(DEFAULT_POOL_BYTES)
+        return _default
+
+
+def configure_default_pool(max_bytes: int, *, pin: bool = False) -> BufferPool:
+    """Replace the process-wide pool (at start-up, before the data path runs)."""
+    global _default
+    pool = BufferPool(max_bytes, pin=pin)
+    with _default_lock:
+        _default = pool
+    return pool
+
+

@@ -1,0 +1,90 @@
+"""The buffer pool: bounded, resident, reference-counted leases; pieces of one value."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvstore.buffers import BufferPool, Pieces, borrow
+from kvstore.errors import ConfigError
+
+
+def test_a_released_buffer_is_reused_not_reallocated():
+    pool = BufferPool(8 << 20)
+    a = pool.lease(3 << 20)
+    assert a is not None and len(a.view) == 3 << 20
+    a.view[:4] = b"abcd"
+    a.release()
+    b = pool.lease((3 << 20) - 100)  # a little smaller: the same buffer fits
+    assert b is not None and bytes(b.view[:4]) == b"abcd"
+    assert pool.stats()["allocations"] == 1
+    b.release()
+    assert pool.stats()["leased_bytes"] == 0
+
+
+def test_the_budget_bounds_what_is_held_and_a_full_pool_says_none():
+    pool = BufferPool(4 << 20)
+    a = pool.lease(3 << 20)
+    assert a is not None
+    assert pool.lease(3 << 20) is None  # no room, no wait: a miss, counted
+    assert pool.stats()["misses"] == 1 and pool.stats()["held_bytes"] <= 4 << 20
+    a.release()
+    small = [pool.lease(1 << 20) for _ in range(4)]  # the free 3 MiB buffer is dropped to make room
+    assert all(s is not None for s in small) and pool.stats()["held_bytes"] <= 4 << 20
+    for s in small:
+        s.release()
+
+
+def test_a_waiting_lease_gets_a_buffer_when_one_is_released():
+    pool = BufferPool(2 << 20)
+    a = pool.lease(2 << 20)
+    threading.Timer(0.05, a.release).start()
+    b = pool.lease(2 << 20, wait=5)
+    assert b is not None
+    b.release()
+
+
+def test_leases_are_reference_counted():
+    pool = BufferPool(2 << 20)
+    a = pool.lease(1 << 20)
+    a.retain()
+    a.release()
+    assert pool.stats()["leased_bytes"] > 0  # one holder left
+    a.release()
+    assert pool.stats()["leased_bytes"] == 0
+    with pytest.raises(RuntimeError):
+        a.release()
+    with pytest.raises(RuntimeError):
+        a.retain()
+
+
+def test_an_oversize_lease_is_served_outside_the_budget():
+    pool = BufferPool(1 << 20)
+    big = pool.lease(3 << 20)
+    assert big is not None and pool.stats()["oversize"] == 1 and pool.stats()["held_bytes"] == 0
+    big.release()
+
+
+def test_borrowed_leases_and_pieces():
+    value = b"0123456789"
+    lease = borrow(value)
+    assert bytes(lease.view) == value and lease.nbytes == 10
+    lease.release()
+    lease.release()  # a borrowed lease's release does nothing
+    pool = BufferPool(1 << 20)
+    owner = pool.lease(4)
+    owner.view[:] = b"tail"
+    pieces = Pieces([b"head", memoryview(bytearray(b"-")), owner.view], owner=owner)
+    assert len(pieces) == 9 and pieces.tobytes() == b"head-tail"
+    out = bytearray(12)
+    pieces.copy_into(memoryview(out))
+    assert bytes(out[:9]) == b"head-tail"
+    pieces.retain().release()
+    pieces.release()
+    assert pool.stats()["leased_bytes"] == 0
+
+
+def test_bad_budget_is_a_config_error():
+    with pytest.raises(ConfigError, match="max_bytes"):
+        BufferPool(10)
