@@ -28,10 +28,14 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
                      CPU backend is only its allocator, remote_url=redis://, naive serde) store()
                      until its background batched put has finished; retrieve() of all tokens
   LMCache resp://    the same with its C++ RESP client (8 threads)
-  kvstore cache      PrefixCache.save (lookup to skip stored chunks, encode_record: copy + xxh3,
-                     one pipelined put_many) / PrefixCache.load (one get_many, full verification:
-                     namespace, key, token ids, dtype, shapes, checksum; the sink copies each
-                     chunk into a preallocated tensor)
+  raw zero-copy      the physical ceiling: one connection, pipelined SETs sent straight from the
+                     encoded records, pipelined GETs received (recv_into) into preallocated,
+                     touched buffers; no validation, no copy (benchmarks/rawredis.py)
+  kvstore cache      PrefixCache.save (lookup to skip stored chunks, xxh3 over the payload, the
+                     header sent beside the payload, no copy; one batch over the store's
+                     connections) / PrefixCache.load (records received into pooled buffers, each
+                     verified in place (namespace, key, token ids, dtype, shapes, checksum) and
+                     copied into a preallocated tensor while the next ones arrive)
   kvstore store      bare RedisStore.put_many / get_many of the same encoded records
 
 Lookups of the 16 stored chunks: LMCache ``engine.lookup(tokens)`` (token hashing included);
@@ -73,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
 from common import machine
+from rawredis import RawRedis
 
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import Namespace
@@ -295,27 +300,49 @@ class KVStorePath:
         assert self.cache.lookup(self.keys) == self.data.n
 
 
+class RawPath:
+    """The ceiling: the same records through a raw zero-copy client (see ``rawredis``)."""
+
+    def __init__(self, port: int, kv: KVStorePath) -> None:
+        self.client = RawRedis(port=port)
+        self.items = [(k.encode(), memoryview(v)) for k, v in kv.items]
+        self.buffers = [memoryview(np.ones(len(v), dtype=np.uint8)) for _, v in kv.items]  # touched
+
+    def put(self) -> None:
+        self.client.set_many(self.items)
+
+    def get(self) -> None:
+        sizes = self.client.get_many_into([k for k, _ in self.items], self.buffers)
+        assert all(s is not None for s in sizes)
+
+
 # -- measuring ----------------------------------------------------------------------------------
 def stats(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def run_size(name: str, server: servers.RedisServer, reps: int, results: dict) -> None:
+RAW = "raw zero-copy client"
+KV_CACHE = "kvstore PrefixCache save/load"
+KV_STORE = "kvstore RedisStore put_many/get_many"
+LM_RESP, LM_REDIS = "LMCache resp://", "LMCache redis://"
+
+
+def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, peer: bool) -> None:
     import redis
 
     data = Data(name)
     raw = redis.Redis(port=server.port)
     raw.flushall()
-    lm = {scheme: LMCachePath(scheme, server.port, data) for scheme in ("redis", "resp")}
+    lm = {scheme: LMCachePath(scheme, server.port, data) for scheme in ("redis", "resp")} if peer else {}
     kv = KVStorePath(server.url, data)
+    ceiling = RawPath(server.port, kv)
     # name: (put, get, lookups {label: fn})
-    paths = {
-        "LMCache redis://": (lm["redis"].store, lm["redis"].get, {"LMCache redis:// lookup": lm["redis"].lookup}),
-        "LMCache resp://": (lm["resp"].store, lm["resp"].get, {"LMCache resp:// lookup": lm["resp"].lookup}),
-        "kvstore PrefixCache save/load": (kv.save, kv.get, {"kvstore keys+lookup": kv.lookup,
-                                                            "kvstore lookup": kv.lookup_only}),
-        "kvstore RedisStore put_many/get_many": (kv.put_bare, kv.get_bare, {}),
-    }
+    paths = {RAW: (ceiling.put, ceiling.get, {})}
+    if peer:
+        paths[LM_REDIS] = (lm["redis"].store, lm["redis"].get, {"LMCache redis:// lookup": lm["redis"].lookup})
+        paths[LM_RESP] = (lm["resp"].store, lm["resp"].get, {"LMCache resp:// lookup": lm["resp"].lookup})
+    paths[KV_CACHE] = (kv.save, kv.get, {"kvstore keys+lookup": kv.lookup, "kvstore lookup": kv.lookup_only})
+    paths[KV_STORE] = (kv.put_bare, kv.get_bare, {})
     put_t = {p: [] for p in paths}
     get_t = {p: [] for p in paths}
     look_t: dict[str, list[float]] = {label: [] for _, _, ls in paths.values() for label in ls}
@@ -359,6 +386,7 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict) -
         m = res["lookups"][label]
         print(f"  {label:<38} {m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}] ms", flush=True)
     res["noise"] = noise_contrast(data, lm, kv, raw)
+    ceiling.client.close()
     # LMCache engines are left open: LMCacheEngineBuilder.destroy() hangs in 0.5.6 (RemoteBackend.close
     # waits forever on its connection's close()); the process ends with os._exit instead.
     kv.store.close()
@@ -425,18 +453,22 @@ def _lmcache_key_of(path: LMCachePath, index: int, scheme: str) -> bytes:
 
 
 # -- report -------------------------------------------------------------------------------------
-def versions() -> str:
+def versions(peer: bool = True) -> str:
     import hiredis
-    import lmcache
     import redis
 
     server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True).stdout.split()[2]
-    return (f"lmcache {lmcache.__version__}, redis-py {redis.__version__}, hiredis {hiredis.__version__}, "
+    lm = ""
+    if peer:
+        import lmcache
+
+        lm = f"lmcache {lmcache.__version__}, "
+    return (f"{lm}redis-py {redis.__version__}, hiredis {hiredis.__version__}, "
             f"redis-server {server}, numpy {np.__version__}, {platform.platform()}")
 
 
-def render(results: dict, reps: int) -> str:
-    out = [f"Machine: {machine()}", f"Versions: {versions()}", f"{reps} measured rounds (+1 warm-up), "
+def render(results: dict, reps: int, peer: bool = True) -> str:
+    out = [f"Machine: {machine()}", f"Versions: {versions(peer)}", f"{reps} measured rounds (+1 warm-up), "
            f"{N_CHUNKS} chunks per op, GB/s of KV (10^9 B/s), median [min-max].", ""]
     for name, res in results.items():
         loads = res["loads"]
@@ -445,23 +477,42 @@ def render(results: dict, reps: int) -> str:
                 "| path | store | retrieve |", "|---|---|---|"]
         for pname, (p, g) in res["paths"].items():
             out.append(f"| {pname} | {p[0]:.2f} [{p[1]:.2f}-{p[2]:.2f}] | {g[0]:.2f} [{g[1]:.2f}-{g[2]:.2f}] |")
-        out += ["", "Ratios of medians, kvstore / LMCache (above 1: kvstore faster):", "",
-                "| kvstore path | vs | store | retrieve |", "|---|---|---|---|"]
-        for kpath in ("kvstore PrefixCache save/load", "kvstore RedisStore put_many/get_many"):
-            for lpath in ("LMCache redis://", "LMCache resp://"):
+        out += ["", "Ratios of medians (above 1: the first path is faster):", "",
+                "| path | vs | store | retrieve |", "|---|---|---|---|"]
+        for kpath in (KV_CACHE, KV_STORE):
+            for other in (RAW, LM_REDIS, LM_RESP):
+                if other not in res["paths"]:
+                    continue
                 kp, kg = res["paths"][kpath]
-                lp, lg = res["paths"][lpath]
-                out.append(f"| {kpath} | {lpath} | {kp[0] / lp[0]:.2f} | {kg[0] / lg[0]:.2f} |")
+                op, og = res["paths"][other]
+                out.append(f"| {kpath} | {other} | {kp[0] / op[0]:.2f} | {kg[0] / og[0]:.2f} |")
         out += ["", f"Lookup of {N_CHUNKS} stored chunks, ms, median [min-max] of {reps * LOOKUP_REPS}:", "",
                 "| lookup | ms |", "|---|---|"]
         for label, m in res["lookups"].items():
             out.append(f"| {label} | {m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}] |")
         lk = res["lookups"]
-        out += ["", "LMCache / kvstore keys+lookup latency: "
-                f"redis:// {lk['LMCache redis:// lookup'][0] / lk['kvstore keys+lookup'][0]:.1f}x, "
-                f"resp:// {lk['LMCache resp:// lookup'][0] / lk['kvstore keys+lookup'][0]:.1f}x", "",
-                "Noise contrast:", ""] + [f"- {line}" for line in res["noise"]] + [""]
+        if "LMCache resp:// lookup" in lk:
+            out += ["", "LMCache / kvstore keys+lookup latency: "
+                    f"redis:// {lk['LMCache redis:// lookup'][0] / lk['kvstore keys+lookup'][0]:.1f}x, "
+                    f"resp:// {lk['LMCache resp:// lookup'][0] / lk['kvstore keys+lookup'][0]:.1f}x"]
+        out += ["", "Noise contrast:", ""] + [f"- {line}" for line in res["noise"]] + [""]
+    out += ["Summary, kvstore end to end (PrefixCache save/load) as ratios of medians:", ""]
+    out += summary_lines(results)
     return "\n".join(out)
+
+
+def summary_lines(results: dict) -> list[str]:
+    """The last lines of the output: end-to-end ratios to the raw ceiling and to LMCache resp://."""
+    lines = []
+    for name, res in results.items():
+        kp, kg = res["paths"][KV_CACHE]
+        rp, rg = res["paths"][RAW]
+        line = f"{name}: ratio_to_raw store={kp[0] / rp[0]:.2f} load={kg[0] / rg[0]:.2f}"
+        if LM_RESP in res["paths"]:
+            lp, lg = res["paths"][LM_RESP]
+            line += f" ratio_to_lmcache_resp store={kp[0] / lp[0]:.2f} load={kg[0] / lg[0]:.2f}"
+        lines.append(line)
+    return lines
 
 
 def main() -> None:
@@ -469,22 +520,35 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--only", choices=sorted(SHAPES))
     parser.add_argument("--out", help="also write the markdown tables here")
+    parser.add_argument("--json", help="also write the figures as JSON here (for benchmarks/report.py)")
+    parser.add_argument("--no-peer", action="store_true", help="leave LMCache out (kvstore vs the raw ceiling only)")
     args = parser.parse_args()
     print(machine(), flush=True)
-    _fix_lmcache_resp_sync_race()  # before any engine exists: add_reader binds _on_ready
+    peer = not args.no_peer
+    if peer:
+        _fix_lmcache_resp_sync_race()  # before any engine exists: add_reader binds _on_ready
     server = servers.RedisServer()
     results: dict = {}
     try:
         for name in SHAPES:
             if args.only and name != args.only:
                 continue
-            run_size(name, server, args.reps, results)
+            run_size(name, server, args.reps, results, peer)
     finally:
         server.close()
-    text = render(results, args.reps)
+    text = render(results, args.reps, peer)
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)
+    if args.json:
+        import json
+
+        doc = {"machine": machine(), "versions": versions(peer), "reps": args.reps, "chunks": N_CHUNKS,
+               "sizes": {name: {"nbytes": r["nbytes"], "loads": r["loads"],
+                                "paths": {p: {"store": list(v[0]), "retrieve": list(v[1])} for p, v in r["paths"].items()},
+                                "lookups_ms": {k: list(v) for k, v in r["lookups"].items()}}
+                         for name, r in results.items()}}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
     sys.stdout.flush()
     os._exit(0)  # LMCache's non-daemon threads would keep the process alive
 

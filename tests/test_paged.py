@@ -102,7 +102,6 @@ def test_transfer_stages_through_the_pool_and_returns_every_buffer():
     assert xfer.save_sequence(tokens, slots) == 2
     fresh = [torch.zeros_like(c) for c in xfer.kv_caches]
     assert KVTransfer(xfer.cache, fresh, layout).load_sequence(tokens, slots)[0] == 16
-    assert all(torch.equal(f.flatten()[:0], c.flatten()[:0]) for f, c in zip(fresh, xfer.kv_caches))
     stats = xfer.pool.stats()
     assert stats["leased_bytes"] == 0 and stats["allocations"] >= 1 and stats["misses"] == 0
 
