@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
@@ -198,8 +198,10 @@ class PrefixCache:
         start = time.perf_counter()
         first = self.lookup(keys) if skip_stored else 0
         arr = tokens_to_array(tokens)
-        items: list[tuple[str, Pieces]] = []
-        try:
+        made: list[Pieces] = []
+
+        def records() -> Iterator[tuple[str, Pieces]]:
+            # Lazily: a store that sends while it iterates overlaps gathering chunk i+1 with sending chunk i.
             for chunk in keys[first:]:
                 p = payload(chunk)
                 try:
@@ -212,14 +214,18 @@ class PrefixCache:
                     if p.owner is not None:
                         p.owner.release()
                     raise
-                items.append((chunk.key, record))
-            self.store.put_many(items)
+                made.append(record)
+                yield chunk.key, record
+
+        try:
+            self.store.put_many(records())
         except KVStoreError as exc:
             log.debug("save failed: %s", exc)
             return 0
         finally:
-            for _, record in items:
+            for record in made:
                 record.release()
+        items = made
         if items:
             metrics.TOKENS_SAVED.inc(keys[-1].end - keys[first].start)
         metrics.LATENCY.observe(time.perf_counter() - start, op="save")

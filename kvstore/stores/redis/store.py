@@ -20,6 +20,7 @@ the constructor: a store built while Redis is down works once Redis is back.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -330,22 +331,74 @@ class _RedisStoreBase(Store):
                     slot.done.set()
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
-        items = list(items)
-        pool = self._direct_pool() if items else None
+        """SETs, pipelined. On a single server ``items`` is consumed lazily: each value is sent by
+        one of ``connections`` sender threads as soon as the iterable produces it, so a caller
+        that encodes value i+1 in its generator does so while value i is on the wire."""
+        pool = self._direct_pool()
         if pool is None:
             px = self._px
             self._pipeline(("set", (self._key(k), v if isinstance(v, Pieces) else hooks.wire(v)), {"px": px})
                            for k, v in items)
             return
-        sizes = [len(v) if isinstance(v, Pieces) else len(hooks.wire(v)) for _, v in items]
-        groups = _spread(sizes, self.config.connections if sum(sizes) >= _SPREAD_BYTES else 1)
-
-        def send(group: list[int]) -> Callable[[], None]:
-            packed = [b for i in group for b in self._set_command(*items[i])]
-            return lambda: self._exchange(pool, packed, len(group), lambda reader, _: reader.status())
-
+        it = iter(items)
+        head = [item for item in (next(it, None), next(it, None)) if item is not None]
+        if len(head) < 2 or self.config.connections == 1:
+            batch = [*head, *it]
+            packed = [b for item in batch for b in self._set_command(*item)]
+            with self._errors():
+                if batch:
+                    self._exchange(pool, packed, len(batch), lambda reader, _: reader.status())
+            return
         with self._errors():
-            self._in_parallel([send(g) for g in groups])
+            self._send_streamed(pool, head, it)
+
+    def _send_streamed(self, pool: Any, head: list[tuple[str, WriteValue]],
+                       rest: Iterator[tuple[str, WriteValue]]) -> None:
+        work: queue.Queue[list[Any] | None] = queue.Queue(maxsize=self.config.connections)
+        failed: list[BaseException] = []
+
+        def sender() -> None:
+            commands: list[list[Any]] = []
+            done = False  # every command taken from the queue (our end marker seen)
+            for attempt in range(self.config.retries + 1):
+                conn = pool.get_connection()
+                try:
+                    sock = hooks.raw_socket(conn)
+                    for packed in commands:  # a retry resends what the failed connection had
+                        hooks.send_all(sock, packed)
+                    while not done:
+                        packed = work.get()
+                        if packed is None:
+                            done = True
+                        elif not failed:
+                            commands.append(packed)
+                            hooks.send_all(sock, packed)
+                    reader = hooks.DirectReplies(sock)
+                    for _ in commands:
+                        reader.status()
+                    return
+                except BaseException as exc:  # noqa: BLE001 - handed to the producer below
+                    conn.disconnect()
+                    retry = isinstance(exc, _NETWORK_ERRORS) and attempt < self.config.retries and not failed
+                    if not retry:
+                        failed.append(exc)
+                        while not done:  # keep draining: the producer must never block on a dead sender
+                            done = work.get() is None
+                        return
+                finally:
+                    pool.release(conn)
+
+        senders = [self._threads().submit(sender) for _ in range(self.config.connections)]
+        try:
+            for item in (*head, *rest):
+                work.put(self._set_command(*item))
+        finally:
+            for _ in senders:
+                work.put(None)
+            for fut in senders:
+                fut.result()
+        if failed:
+            raise failed[0]
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._pipeline(("exists", (self._key(k),), {}) for k in keys)]

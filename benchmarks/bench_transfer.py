@@ -1,0 +1,162 @@
+"""End to end into a paged cache: ``KVTransfer`` saving and loading a 2,048-token prefix through
+Redis, against the raw zero-copy client moving the same record bytes, in the same run.
+
+The prefix is Llama-3-8B-shaped: 32 layers, 8 KV heads, head size 128, bf16, 128 KiB per token,
+256 MiB in 8 chunks of 256 tokens, in a paged cache of block size 16 whose 128 blocks sit at
+random ids (``flash-2bnhd`` layout, copied by the CPU kernels). Paths, interleaved per round:
+
+  raw zero-copy      pipelined SETs of the 8 encoded records / GETs into preallocated buffers
+  kvstore save       ``save_sequence`` into a RedisStore: lookup, gather each chunk from the paged
+                     cache into a pooled buffer, checksum, send header and payload as pieces
+  kvstore load       ``load_sequence`` into another paged cache: lookup, records received into
+                     pooled buffers, each verified in place and scattered into the cache while
+                     the next ones arrive
+  engine-visible     ``save_sequence`` into a TieredStore over the same Redis: what the engine
+  save               waits for (the background writer sends afterwards; its flush is not timed)
+
+GB/s = 10^9 bytes of KV per second; median [min-max] of ``--reps`` rounds after a warm-up. The
+last line prints the ratios to the raw client.
+
+    python benchmarks/bench_transfer.py [--reps 7] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import servers
+from common import machine
+from rawredis import RawRedis
+
+from kvstore.keys import Namespace
+from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
+from kvstore.prefix_cache import PrefixCache
+from kvstore.stores import TieredStore
+from kvstore.stores.redis import RedisStore
+
+LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 256, 2048, 256
+
+
+def paged_cache(seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--json", help="also write the figures as JSON here")
+    args = parser.parse_args()
+    print(machine(), flush=True)
+    server = servers.RedisServer()
+    try:
+        run(server, args)
+    finally:
+        server.close()
+
+
+def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
+    rng = np.random.default_rng(0)
+    ns = Namespace(model="bench-llama3-8b", kv_dtype="bfloat16", layout="flash-2bnhd", block_size=BLOCK,
+                   chunk_tokens=CHUNK, layer_end=LAYERS)
+    tokens = rng.integers(0, 128000, TOKENS, dtype=np.uint32)
+    src_blocks = rng.permutation(BLOCKS)[:TOKENS // BLOCK]
+    dst_blocks = rng.permutation(BLOCKS)[:TOKENS // BLOCK]
+    src, dst = paged_cache(1), paged_cache(2)
+    src_slots = slots_from_block_table(src_blocks.tolist(), BLOCK, TOKENS)
+    dst_slots = slots_from_block_table(dst_blocks.tolist(), BLOCK, TOKENS)
+    store = RedisStore.from_url(server.url)
+    tiered = TieredStore([RedisStore.from_url(server.url)])
+    save_x = KVTransfer(PrefixCache(store, ns), src, FlashLayout())
+    tiered_x = KVTransfer(PrefixCache(tiered, ns), src, FlashLayout())
+    load_x = KVTransfer(PrefixCache(store, ns), dst, FlashLayout())
+    kv_bytes = TOKENS * LAYERS * 2 * HEADS * HEAD * 2
+
+    raw = RawRedis(port=server.port)
+    raw.flushall()
+    assert save_x.save_sequence(tokens, src_slots) == TOKENS // CHUNK
+    keys = [k.key for k in save_x.keys(tokens)]
+    records = store.get_many(keys)
+    items = [(k.encode(), memoryview(bytes(v))) for k, v in zip(keys, records)]
+    record_bytes = sum(len(v) for _, v in items)
+    buffers = [memoryview(np.ones(len(v), dtype=np.uint8)) for _, v in items]
+    assert load_x.load_sequence(tokens, dst_slots)[0] == TOKENS
+    ok = all(torch.equal(d[:, dst_blocks], s[:, src_blocks]) for d, s in zip(dst, src))
+    print(f"{TOKENS} tokens, {kv_bytes / 2**20:.0f} MiB of KV in {len(items)} records "
+          f"({record_bytes / 2**20:.2f} MiB); loaded KV identical to the saved: {ok}", flush=True)
+    if not ok:
+        raise SystemExit("loaded KV differs from the saved KV")
+
+    def raw_put() -> None:
+        raw.set_many(items)
+
+    def raw_get() -> None:
+        raw.get_many_into([k for k, _ in items], buffers)
+
+    def kv_save() -> None:
+        n = save_x.save_sequence(tokens, src_slots)
+        assert n == TOKENS // CHUNK, n
+
+    def kv_load() -> None:
+        n, _ = load_x.load_sequence(tokens, dst_slots)
+        assert n == TOKENS, n
+
+    def engine_save() -> None:
+        n = tiered_x.save_sequence(tokens, src_slots)
+        assert n == TOKENS // CHUNK, n
+
+    paths = {"raw zero-copy SET": (raw.flushall, raw_put), "kvstore save (sync RedisStore)": (raw.flushall, kv_save),
+             "engine-visible save (tiered write-behind)": (raw.flushall, engine_save),
+             "raw zero-copy GET": (None, raw_get), "kvstore load": (None, kv_load)}
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    loads = [os.getloadavg()[0]]
+    for rep in range(args.reps + 1):
+        for name, (setup, fn) in paths.items():
+            if setup is not None:
+                setup()
+                tiered.flush(60)
+            if name == "raw zero-copy GET" or name == "kvstore load":
+                raw_put()  # the records are there to be read
+            t = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t
+            if name.startswith("engine-visible"):
+                tiered.flush(60)  # untimed: the background writer's part
+            if rep:
+                times[name].append(dt)
+        loads.append(os.getloadavg()[0])
+    raw.close()
+    tiered.close()
+    store.close()
+
+    rates = {p: sorted(kv_bytes / t / 1e9 for t in ts) for p, ts in times.items()}
+    med = {p: statistics.median(r) for p, r in rates.items()}
+    print(f"\nLoad average while measuring: {min(loads):.2f}-{max(loads):.2f}; GB/s of KV, median [min-max] "
+          f"of {args.reps}\n")
+    print("| path | GB/s | ratio to raw |")
+    print("|---|---|---|")
+    for p, r in rates.items():
+        base = med["raw zero-copy GET"] if "load" in p or "GET" in p else med["raw zero-copy SET"]
+        print(f"| {p} | {med[p]:.2f} [{r[0]:.2f}-{r[-1]:.2f}] | {med[p] / base:.2f} |")
+    save_ratio = med["kvstore save (sync RedisStore)"] / med["raw zero-copy SET"]
+    load_ratio = med["kvstore load"] / med["raw zero-copy GET"]
+    if args.json:
+        Path(args.json).write_text(json.dumps({"machine": machine(), "loads": loads, "kv_bytes": kv_bytes,
+                                               "rates": rates}, indent=1))
+    print(f"\nratio_to_raw save={save_ratio:.2f} load={load_ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()
