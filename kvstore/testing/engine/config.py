@@ -32,6 +32,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 256
     kv_layout: str = "flash-2bnhd"
+    #: Where weights and the KV cache live (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -53,6 +55,8 @@ class EngineConfig:
     def fingerprint(self) -> str:
         """Hash of what determines the weights (not the cache geometry, which the namespace carries)."""
         fields = {k: v for k, v in asdict(self).items() if k not in ("num_blocks", "block_size", "kv_layout")}
+        if self.device == "cpu":  # fingerprints from before devices existed stay valid
+            del fields["device"]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
     def with_(self, **changes) -> EngineConfig:

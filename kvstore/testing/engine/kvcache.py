@@ -34,17 +34,18 @@ class EngineKV:
     """Allocate, write and read one layer's paged cache in ``layout``."""
 
     def __init__(self, layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: str = "cpu") -> None:
         self.layout, self.num_blocks, self.block_size = layout, num_blocks, block_size
-        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self.kv_heads, self.head_dim, self.dtype, self.device = kv_heads, head_dim, dtype, device
 
     def allocate(self) -> torch.Tensor:
         b, n, h, d = self.num_blocks, self.block_size, self.kv_heads, self.head_dim
+        kw = {"dtype": self.dtype, "device": self.device}
         if self.layout == "flash-2bnhd":
-            return torch.zeros(2, b, n, h, d, dtype=self.dtype)
+            return torch.zeros(2, b, n, h, d, **kw)
         if self.layout == "vllm-bhnc":
-            return torch.zeros(b, n, h, 2 * d, dtype=self.dtype).permute(0, 2, 1, 3)
-        return torch.zeros(b, h, n, 2 * d, dtype=self.dtype)
+            return torch.zeros(b, n, h, 2 * d, **kw).permute(0, 2, 1, 3)
+        return torch.zeros(b, h, n, 2 * d, **kw)
 
     def _kv(self, cache: torch.Tensor):
         """K and V as ``[B, N, H, D]`` views of ``cache``."""
@@ -57,6 +58,7 @@ class EngineKV:
     def write(self, cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[T, H, D]`` at token ``slots``."""
         kc, vc = self._kv(cache)
+        slots = slots.to(cache.device)
         blk, off = slots // self.block_size, slots % self.block_size
         kc[blk, off] = k
         vc[blk, off] = v
@@ -65,7 +67,7 @@ class EngineKV:
         """K and V ``[num_tokens, H, D]`` of a sequence whose blocks are ``block_ids``."""
         kc, vc = self._kv(cache)
         nb = -(-num_tokens // self.block_size)
-        ids = block_ids[:nb]
+        ids = block_ids[:nb].to(cache.device)
         shape = (nb * self.block_size, self.kv_heads, self.head_dim)
         return kc[ids].reshape(shape)[:num_tokens], vc[ids].reshape(shape)[:num_tokens]
 

@@ -54,15 +54,15 @@ class LlamaModel:
                 "o": w("o", (c.hidden_size, q)),
                 "gate_up": torch.cat([w("gate", (c.intermediate_size, c.hidden_size)), w("up", (c.intermediate_size, c.hidden_size))]),
                 "down": w("down", (c.hidden_size, c.intermediate_size)),
-                "ln1": torch.ones(c.hidden_size, dtype=self.dtype),
-                "ln2": torch.ones(c.hidden_size, dtype=self.dtype),
+                "ln1": torch.ones(c.hidden_size, dtype=self.dtype, device=c.device),
+                "ln2": torch.ones(c.hidden_size, dtype=self.dtype, device=c.device),
             })
         if self.is_last:
-            self.norm = torch.ones(c.hidden_size, dtype=self.dtype)
+            self.norm = torch.ones(c.hidden_size, dtype=self.dtype, device=c.device)
             self.lm_head = init_weight(c, "lm_head", (c.vocab_size, c.hidden_size))
         half = c.head_dim // 2
-        self.inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))
-        self.kv = EngineKV(c.kv_layout, c.num_blocks, c.block_size, c.num_kv_heads, c.head_dim, self.dtype)
+        self.inv_freq = (1.0 / (c.rope_theta ** (torch.arange(0, half, dtype=torch.float32) / half))).to(c.device)
+        self.kv = EngineKV(c.kv_layout, c.num_blocks, c.block_size, c.num_kv_heads, c.head_dim, self.dtype, c.device)
 
     @property
     def model(self) -> LlamaModel:
@@ -124,7 +124,7 @@ class LlamaModel:
             elif tq == 1:
                 o = F.scaled_dot_product_attention(qi, ki, vi, enable_gqa=True)
             else:  # a suffix after a cached prefix: query j sees keys up to ctx + j
-                mask = torch.arange(seq_len)[None, :] <= (ctx + torch.arange(tq))[:, None]
+                mask = torch.arange(seq_len, device=q.device)[None, :] <= (ctx + torch.arange(tq, device=q.device))[:, None]
                 o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
             out[a:b] = o[0].transpose(0, 1)
         return out

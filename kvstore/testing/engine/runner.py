@@ -95,7 +95,7 @@ class GenerationResult:
     bypassed: bool
 
 
-def build_model_input(seqs: Seq[Sequence], block_size: int) -> ModelInput:
+def build_model_input(seqs: Seq[Sequence], block_size: int, device: str = "cpu") -> ModelInput:
     """The V0 ``ModelInput`` for one step of ``seqs`` (prefill if nothing is cached yet, else decode)."""
     prefills = [s for s in seqs if s.num_computed == 0]
     decodes = [s for s in seqs if s.num_computed > 0]
@@ -123,13 +123,14 @@ def build_model_input(seqs: Seq[Sequence], block_size: int) -> ModelInput:
     num_prefill_tokens = qsl[len(prefills)]
     md = AttnMetadata(
         num_prefills=len(prefills), num_prefill_tokens=num_prefill_tokens,
-        num_decode_tokens=qsl[-1] - num_prefill_tokens, slot_mapping=torch.cat(slots),
+        num_decode_tokens=qsl[-1] - num_prefill_tokens, slot_mapping=torch.cat(slots).to(device),
         seq_lens=seq_lens, seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64),
         query_start_loc=torch.tensor(qsl, dtype=torch.int64),
         context_lens_tensor=torch.tensor(ctx, dtype=torch.int64), block_tables=tables,
         max_query_len=max(b - a for a, b in pairwise(qsl)),
     )
-    return ModelInput(torch.tensor(toks, dtype=torch.int64), torch.tensor(pos, dtype=torch.int64), md,
+    return ModelInput(torch.tensor(toks, dtype=torch.int64, device=device),
+                      torch.tensor(pos, dtype=torch.int64, device=device), md,
                       seq_lens, [b - a for a, b in pairwise(qsl)])
 
 
@@ -163,7 +164,7 @@ class ModelRunner:
     @torch.inference_mode()
     def step(self, seqs: Seq[Sequence]) -> StepStats:
         """Schedule every sequence in ``seqs`` once; appends one greedy token to each."""
-        mi = build_model_input(seqs, self.config.block_size)
+        mi = build_model_input(seqs, self.config.block_size, self.config.device)
         order = [s for s in seqs if s.num_computed == 0] + [s for s in seqs if s.num_computed > 0]
         stats = StepStats(prefill_tokens=mi.attn_metadata.num_prefill_tokens)
         hidden, bypass = None, False

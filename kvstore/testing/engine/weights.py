@@ -24,4 +24,4 @@ def init_weight(config: EngineConfig, name: str, shape: tuple[int, ...], std: fl
     """The weight ``name`` of ``shape``: ``N(0, std)`` (``init_std`` by default), in the config dtype."""
     w = torch.empty(shape, dtype=torch.float32)
     w.normal_(0.0, config.init_std if std is None else std, generator=_generator(config.seed, name))
-    return w.to(getattr(torch, config.dtype))
+    return w.to(device=config.device, dtype=getattr(torch, config.dtype))

@@ -1,0 +1,107 @@
+"""The CUDA path for real: pinned pool, side stream, the vLLM GPU layout, the agent API on CUDA.
+
+Marked ``gpu`` and skipped without CUDA (our CI machines have none). ``scripts/gpu_check`` runs
+these and ``benchmarks/bench_gpu.py`` on a bare CUDA machine with torch installed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.buffers import BufferPool
+from kvstore.connectors.agent import AgentConfig, KVStoreAgent
+from kvstore.keys import Namespace
+from kvstore.paged import BHNCLayout, FlashLayout, KVTransfer, dtype_name, slots_from_block_table
+from kvstore.prefix_cache import PrefixCache
+from kvstore.stores.memory import MemoryStore
+from kvstore.testing.engine import PRESETS, ModelRunner
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check on a GPU machine)")]
+
+B, N, H, D, L = 64, 16, 8, 128, 4
+
+
+def _caches(layout: str, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if layout == "flash-2bnhd":
+        return [torch.randn(2, B, N, H, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(L)]
+    # vLLM's GPU view: physically [B][N][H][2D], handed over as a permuted [B, H, N, 2D] view
+    return [torch.randn(B, N, H, 2 * D, device="cuda", generator=g).to(torch.bfloat16).permute(0, 2, 1, 3)
+            for _ in range(L)]
+
+
+def _transfer(layout: str, caches: list[torch.Tensor], store: MemoryStore) -> KVTransfer:
+    lay = FlashLayout() if layout == "flash-2bnhd" else BHNCLayout()
+    ns = Namespace(model="gpu", model_fingerprint="f", kv_dtype=dtype_name(caches[0].dtype), layout=lay.name,
+                   block_size=N, chunk_tokens=64, layer_end=L)
+    return KVTransfer(PrefixCache(store, ns), caches, lay)
+
+
+def test_pinned_pool_hands_out_pinned_resident_buffers():
+    pool = BufferPool(64 << 20, pin=True)
+    lease = pool.lease(8 << 20)
+    assert lease is not None and torch.from_numpy(lease.array).is_pinned()
+    lease.release()
+
+
+@pytest.mark.parametrize("layout", ["flash-2bnhd", "vllm-bhnc"])
+@pytest.mark.parametrize("skip", [0, 32])
+def test_save_and_load_on_cuda_copy_exactly_and_never_touch_skipped_slots(layout, skip):
+    store = MemoryStore()
+    src, dst = _caches(layout, 1), _caches(layout, 2)
+    before = [c.clone() for c in dst]
+    rng = np.random.default_rng(0)
+    tokens = list(range(1000, 1256))
+    src_slots = slots_from_block_table(rng.permutation(B)[:16].tolist(), N, 256, device="cuda")
+    dst_blocks = rng.permutation(B)[:16].tolist()
+    dst_slots = slots_from_block_table(dst_blocks, N, 256, device="cuda")
+    saver = _transfer(layout, src, store)
+    assert saver.pool.pin and saver.save_sequence(tokens, src_slots) == 4
+    loader = _transfer(layout, dst, store)
+    present, _ = loader.load_sequence(tokens, dst_slots, skip_tokens=skip)
+    torch.cuda.synchronize()
+    assert present == 256
+    gather = saver.layout.gather
+    for s, d, b in zip(src, dst, before):
+        want = torch.empty((*saver.layout.chunk_shape(s, 256),), dtype=s.dtype, device="cuda")
+        got = torch.empty_like(want)
+        gather(s, src_slots, want)
+        gather(d, dst_slots, got)
+        old = torch.empty_like(want)
+        gather(b, dst_slots, old)
+        axis = 1 if layout == "flash-2bnhd" else 0
+        assert torch.equal(got.narrow(axis, skip, 256 - skip), want.narrow(axis, skip, 256 - skip))
+        assert torch.equal(got.narrow(axis, 0, skip), old.narrow(axis, 0, skip))  # the local hit is untouched
+
+
+def test_loads_wait_for_queued_compute_on_the_same_blocks():
+    """Work queued on the compute stream before a load must not land after it (side-stream order)."""
+    store = MemoryStore()
+    src, dst = _caches("flash-2bnhd", 3), _caches("flash-2bnhd", 4)
+    tokens, slots = list(range(64)), slots_from_block_table(list(range(4)), N, 64, device="cuda")
+    _transfer("flash-2bnhd", src, store).save_sequence(tokens, slots)
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        big = big @ big / 64  # keep the compute stream busy
+    for c in dst:
+        c[:, :4].fill_(7)  # queued behind the matmuls
+    _transfer("flash-2bnhd", dst, store).load_sequence(tokens, slots)
+    torch.cuda.synchronize()
+    assert all(torch.equal(d[:, :4], s[:, :4]) for d, s in zip(dst, src))
+
+
+@pytest.mark.parametrize("kv_layout", ["flash-2bnhd", "vllm-bhnc"])
+def test_agent_api_on_the_reference_engine_on_cuda_gives_identical_output(kv_layout):
+    cfg = PRESETS["tiny"].with_(device="cuda", kv_layout=kv_layout)
+    prompt = [int(t) for t in np.random.default_rng(5).integers(1, cfg.vocab_size, 160)]
+    baseline = ModelRunner(cfg).generate([prompt], 8)
+    store = MemoryStore()
+    options = dict(store=("memory://",), model=cfg.name, model_fingerprint=cfg.fingerprint, chunk_tokens=64,
+                   kv_layout=kv_layout if kv_layout != "flash-2bnhd" else "")
+    first = ModelRunner(cfg, KVStoreAgent(AgentConfig(**options), store=store)).generate([prompt], 8)
+    second = ModelRunner(cfg, KVStoreAgent(AgentConfig(**options), store=store)).generate([prompt], 8)
+    assert first.tokens == baseline.tokens == second.tokens
+    assert second.tokens_loaded >= 128
