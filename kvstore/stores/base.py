@@ -28,18 +28,20 @@ Contract, for every backend:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.types import Buffer
 
-__all__ = ["Buffer", "Store", "WrapperStore", "Value", "WriteValue", "as_buffer"]
+__all__ = ["Buffer", "LeaseStream", "Store", "WrapperStore", "Value", "WriteValue", "as_buffer"]
 
 #: What ``get`` returns for a hit: the value's bytes (a view of a buffer the caller now owns).
 Value = bytes | memoryview
 #: What ``put`` takes: one buffer, or the pieces of one value.
 WriteValue = Buffer | Pieces
+#: What ``get_into`` returns: values in key order as leases (``None`` for a miss); closable.
+LeaseStream = Generator[Lease | None, None, None]
 
 
 def as_buffer(value: WriteValue) -> Buffer:
@@ -93,7 +95,7 @@ class Store(ABC):
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return [self.get(k) for k in keys]
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         """Each value of ``keys`` in order as a lease the consumer releases (``None`` on a miss).
 
         The default borrows what ``get_many`` returns; backends that can receive into ``pool``'s
@@ -180,7 +182,7 @@ class WrapperStore(Store):
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return self.inner.get_many(keys)
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         return self.inner.get_into(keys, pool)
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:

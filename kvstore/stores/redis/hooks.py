@@ -94,7 +94,7 @@ class ZeroCopyPacker:
             if isinstance(arg, (bytes, bytearray, memoryview)) and len(arg) > cutoff:
                 packed: list[Any] = self._python.pack(*args)  # type: ignore[no-untyped-call]  # untyped in redis-py
                 return packed
-        small: list[Any] = self._small.pack(*args)  # type: ignore[no-untyped-call]
+        small: list[Any] = self._small.pack(*args)
         return small
 
 

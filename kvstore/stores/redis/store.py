@@ -36,7 +36,7 @@ from redis.retry import Retry
 from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.config import redact_url
 from kvstore.errors import ConfigError, StoreUnavailableError
-from kvstore.stores.base import Store, Value, WriteValue
+from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import RedisConfig
 from kvstore.types import array_view
@@ -268,7 +268,7 @@ class _RedisStoreBase(Store):
             self._exchange(pool, packed, len(keys), on_reply)
         return out
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         """Values received straight into leases of ``pool``, spread over ``connections``
         connections; value i is yielded while later ones are still arriving."""
         direct = self._direct_pool() if keys else None
@@ -367,12 +367,12 @@ class _RedisStoreBase(Store):
                     for packed in commands:  # a retry resends what the failed connection had
                         hooks.send_all(sock, packed)
                     while not done:
-                        packed = work.get()
-                        if packed is None:
+                        taken = work.get()
+                        if taken is None:
                             done = True
                         elif not failed:
-                            commands.append(packed)
-                            hooks.send_all(sock, packed)
+                            commands.append(taken)
+                            hooks.send_all(sock, taken)
                     reader = hooks.DirectReplies(sock)
                     for _ in commands:
                         reader.status()

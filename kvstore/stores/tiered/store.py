@@ -41,7 +41,7 @@ from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
 from kvstore.config import build
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import BYTES_READ, BYTES_WRITTEN
-from kvstore.stores.base import Store, Value, WriteValue
+from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
 from kvstore.stores.registry import open_backend
 from kvstore.stores.tiered.config import TieredConfig
 from kvstore.stores.tiered.tier import Tier, tier_names
@@ -126,7 +126,7 @@ class TieredStore(Store):
             missing = still
         return out
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         """The values in key order as leases, tier by tier, each tier's values streamed; a key
         is yielded as soon as it and every key before it are resolved."""
         resolved: dict[int, Lease | None] = {}

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from kvstore.buffers import BufferPool, Lease
+from kvstore.buffers import BufferPool
 from kvstore.errors import StoreUnavailableError
 from kvstore.metrics.catalog import ERRORS, LATENCY
-from kvstore.stores.base import Store
+from kvstore.stores.base import LeaseStream, Store
 from kvstore.stores.tiered.breaker import CircuitBreaker
 from kvstore.stores.tiered.config import TieredConfig
 from kvstore.stores.tiered.writer import Writer
@@ -39,7 +39,7 @@ class Tier:
         method: Callable[[Any], T] = getattr(self.store, op)
         return self._guarded(op, lambda: method(arg), default)
 
-    def stream(self, keys: Sequence[str], pool: BufferPool) -> Iterator[Lease | None]:
+    def stream(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         """``store.get_into(keys, pool)`` guarded by the breaker: skipped or failing, the keys not
         yet yielded are misses (the failure counted, never raised)."""
         if not keys:

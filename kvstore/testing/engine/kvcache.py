@@ -40,12 +40,12 @@ class EngineKV:
 
     def allocate(self) -> torch.Tensor:
         b, n, h, d = self.num_blocks, self.block_size, self.kv_heads, self.head_dim
-        kw = {"dtype": self.dtype, "device": self.device}
+        dtype, device = self.dtype, self.device
         if self.layout == "flash-2bnhd":
-            return torch.zeros(2, b, n, h, d, **kw)
+            return torch.zeros(2, b, n, h, d, dtype=dtype, device=device)
         if self.layout == "vllm-bhnc":
-            return torch.zeros(b, n, h, 2 * d, **kw).permute(0, 2, 1, 3)
-        return torch.zeros(b, h, n, 2 * d, **kw)
+            return torch.zeros(b, n, h, 2 * d, dtype=dtype, device=device).permute(0, 2, 1, 3)
+        return torch.zeros(b, h, n, 2 * d, dtype=dtype, device=device)
 
     def _kv(self, cache: torch.Tensor):
         """K and V as ``[B, N, H, D]`` views of ``cache``."""
