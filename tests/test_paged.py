@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvstore.buffers import BufferPool
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.paged import (
@@ -98,6 +99,7 @@ def test_get_layout_names():
 def test_transfer_stages_through_the_pool_and_returns_every_buffer():
     layout, cache = _caches(torch.bfloat16)[0]
     xfer = _transfer(layout, [cache, cache + 1])
+    xfer.cache.pool = xfer.pool = BufferPool(64 << 20)  # this test's own: the default one is shared
     tokens, slots = list(range(300, 316)), slots_from_block_table([9, 2, 5, 11], N, 16)
     assert xfer.save_sequence(tokens, slots) == 2
     fresh = [torch.zeros_like(c) for c in xfer.kv_caches]

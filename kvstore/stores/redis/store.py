@@ -361,8 +361,9 @@ class _RedisStoreBase(Store):
             commands: list[list[Any]] = []
             done = False  # every command taken from the queue (our end marker seen)
             for attempt in range(self.config.retries + 1):
-                conn = pool.get_connection()
+                conn = None
                 try:
+                    conn = pool.get_connection()
                     sock = hooks.raw_socket(conn)
                     for packed in commands:  # a retry resends what the failed connection had
                         hooks.send_all(sock, packed)
@@ -378,7 +379,8 @@ class _RedisStoreBase(Store):
                         reader.status()
                     return
                 except BaseException as exc:  # noqa: BLE001 - handed to the producer below
-                    conn.disconnect()
+                    if conn is not None:
+                        conn.disconnect()
                     retry = isinstance(exc, _NETWORK_ERRORS) and attempt < self.config.retries and not failed
                     if not retry:
                         failed.append(exc)
@@ -386,7 +388,8 @@ class _RedisStoreBase(Store):
                             done = work.get() is None
                         return
                 finally:
-                    pool.release(conn)
+                    if conn is not None:
+                        pool.release(conn)
 
         senders = [self._threads().submit(sender) for _ in range(self.config.connections)]
         try:
