@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
+import threading
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -28,7 +30,7 @@ from kvstore.connectors.vllm.facts import (
     engine_facts,
     model_fingerprint,
 )
-from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
+from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
 from kvstore.connectors.vllm.options import parse_options
 from kvstore.connectors.vllm.plan import external_tokens, failed_blocks, lookup_limit, save_ends
 from kvstore.connectors.vllm.scheduler import SchedulerSide
@@ -209,7 +211,18 @@ class FakeManager:
         return (self.blocks[req_id],)
 
 
-def make_connector(role: str, store, f: EngineFacts, *, kv_role="kv_both", **extra) -> KVStoreConnector:
+class FakeBlocks:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self):
+        return (self.ids,)
+
+
+SYNC = {"load_mode": "sync", "save_mode": "sync"}
+
+
+def make_connector(role: str, store, f: EngineFacts, *, kv_role="kv_both", lag=0, **extra) -> KVStoreConnector:
     """A connector half built around a given store (the constructor's vLLM plumbing skipped)."""
     c = object.__new__(KVStoreConnector)
     c._connector_metadata = None
@@ -219,7 +232,8 @@ def make_connector(role: str, store, f: EngineFacts, *, kv_role="kv_both", **ext
     c.facts, c.block_size, c.store, c._closed = f, f.block_size, store, True
     c.scheduler = c.worker = None
     if role == "scheduler":
-        c.scheduler = SchedulerSide(store, f, c.opts, loads=r.loads, saves=r.saves, block_ids=c._request_block_ids)
+        c.scheduler = SchedulerSide(store, f, c.opts, loads=r.loads, saves=r.saves, block_ids=c._request_block_ids,
+                                    lag=lag)
     else:
         c.worker = WorkerSide(store, f, c.opts, 0)
     return c
@@ -229,21 +243,41 @@ def fake_request(req_id: str, tokens: list[int], salt: str | None = None):
     return SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, cache_salt=salt)
 
 
-def step(sched: KVStoreConnector, req, blocks, *, computed: int, scheduled: int, new: bool):
+def ask(sched: KVStoreConnector, req, local: int) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` as vLLM asks it: again, every step, while it says None."""
+    for _ in range(2000):
+        answer = sched.get_num_new_matched_tokens(req, local)
+        if answer[0] is not None:
+            return answer
+        time.sleep(0.001)
+    raise AssertionError("the lookup never answered")
+
+
+def alloc(sched: KVStoreConnector, req, blocks: list[int], external: int) -> None:
+    sched._kv_cache_manager.blocks[req.request_id] = blocks
+    sched.update_state_after_alloc(req, FakeBlocks(blocks), external)
+
+
+def step(sched: KVStoreConnector, req, blocks, *, computed: int, scheduled: int, new: bool, waiting: bool = False):
+    """One plan; ``waiting``: the request is not scheduled (its background load runs)."""
     sched._kv_cache_manager.blocks[req.request_id] = blocks
     out = SimpleNamespace(
-        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, num_computed_tokens=computed)] if new else [],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[] if new else [req.request_id],
-                                              num_computed_tokens=[] if new else [computed]),
-        num_scheduled_tokens={req.request_id: scheduled})
+        scheduled_new_reqs=[SimpleNamespace(req_id=req.request_id, num_computed_tokens=computed)]
+        if new and not waiting else [],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[] if new or waiting else [req.request_id],
+                                              num_computed_tokens=[] if new or waiting else [computed]),
+        num_scheduled_tokens={} if waiting else {req.request_id: scheduled}, preempted_req_ids=set())
     meta = sched.build_connector_meta(out)
     return pickle.loads(pickle.dumps(meta))  # vLLM pickles it to the workers
 
 
-def run_worker(worker: KVStoreConnector, meta: KVStoreConnectorMetadata) -> set[int]:
+def run_worker(worker: KVStoreConnector, meta: KVStoreConnectorMetadata, finished=()) -> set[int]:
+    """One worker step as vLLM runs it; waits for background work (tests only). The load errors."""
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     worker.wait_for_save()
+    assert worker.worker.wait_idle(10)
+    worker.last_finished = worker.get_finished(set(finished))
     worker.clear_connector_metadata()
     return worker.get_block_ids_with_load_errors()
 
@@ -267,18 +301,21 @@ def token_rows(caches, blocks, n):
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
-def test_save_then_load_through_the_connector(kind):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_save_then_load_through_the_connector(kind, mode):
     f = facts() if kind == "cpu" else facts(device_type="cuda", isa=None, backend="gpu-token-rows", kv_cache_layout="any")
+    opts = SYNC if mode == "sync" else {}
+    background = mode == "async"
     store = MemoryStore()
     tokens = list(range(1000, 1300))  # 300 tokens: hit limit 288 = 4 chunks of 64 + a partial one
     # Engine A computes the prompt in two chunked-prefill steps and saves what each completes.
-    sched_a, work_a = make_connector("scheduler", store, f), make_connector("worker", store, f)
+    sched_a, work_a = make_connector("scheduler", store, f, **opts), make_connector("worker", store, f, **opts)
     src = paged(kind, seed=1)
     work_a.register_kv_caches(src)
     req = fake_request("a", tokens)
-    assert sched_a.get_num_new_matched_tokens(req, 0) == (0, False)
-    sched_a.update_state_after_alloc(req, None, 0)
+    assert ask(sched_a, req, 0) == (0, False)
     blocks_a = [5, 2, 11, 7, 0, 9, 14, 3, 21, 1]
+    alloc(sched_a, req, blocks_a, 0)
     m1 = step(sched_a, req, blocks_a, computed=0, scheduled=150, new=True)
     assert [(s.ends, len(s.block_ids)) for s in m1.saves] == [([128], 4)] and not m1.loads
     assert run_worker(work_a, m1) == set()
@@ -286,20 +323,28 @@ def test_save_then_load_through_the_connector(kind):
     assert [s.ends for s in m2.saves] == [[256, 288]]
     run_worker(work_a, m2)
     assert len(list(store.iter_keys())) == 5
-    sched_a.request_finished(req, blocks_a)
+    # A finished request keeps its blocks until the background gathers are done (then reported once).
+    assert sched_a.request_finished(req, blocks_a) == (background, None)
+    run_worker(work_a, step(sched_a, req, blocks_a, computed=300, scheduled=0, new=False, waiting=True),
+               finished={"a"})
+    assert work_a.last_finished == (({"a"} if background else None), None)
 
     # Engine B: vLLM found 64 tokens locally (blocks shared with other requests); the store adds 224.
-    sched_b, work_b = make_connector("scheduler", store, f), make_connector("worker", store, f)
+    sched_b, work_b = make_connector("scheduler", store, f, **opts), make_connector("worker", store, f, **opts)
     dst = paged(kind, seed=2)
     before = {k: v.clone() for k, v in dst.items()}
     work_b.register_kv_caches(dst)
     req_b = fake_request("b", tokens)
-    assert sched_b.get_num_new_matched_tokens(req_b, 64) == (224, False)
-    sched_b.update_state_after_alloc(req_b, None, 224)
+    assert ask(sched_b, req_b, 64) == (224, background)
     blocks_b = [3, 4, 6, 8, 10, 12, 13, 15, 16, 17]
-    mb = step(sched_b, req_b, blocks_b, computed=288, scheduled=12, new=True)
-    assert [(s.start, s.end) for s in mb.loads] == [(64, 288)]
+    alloc(sched_b, req_b, blocks_b, 224)
+    mb = step(sched_b, req_b, blocks_b, computed=288, scheduled=12, new=True, waiting=background)
+    assert [(s.start, s.end, s.background) for s in mb.loads] == [(64, 288, background)]
     assert run_worker(work_b, mb) == set()
+    if background:  # reported done, then vLLM schedules the request: nothing before 288 is saved again
+        assert work_b.last_finished == (None, {"b"})
+        sched_b.update_connector_output(SimpleNamespace(finished_recving={"b"}, invalid_block_ids=set()))
+        assert not step(sched_b, req_b, blocks_b, computed=288, scheduled=12, new=True).saves
     for layer, (s, d, b) in enumerate(zip(src.values(), dst.values(), before.values())):
         for i in range(9):  # 9 blocks = 288 tokens
             want = b[blocks_b[i]] if i < 2 else s[blocks_a[i]]  # the local-hit blocks are never written
@@ -311,31 +356,131 @@ def test_save_then_load_through_the_connector(kind):
         assert all(torch.equal(g[64:], w[64:]) for g, w in zip(got, want))
 
     # Another tenant's salt misses; a damaged record stops the load and names the blocks to recompute.
-    assert sched_b.get_num_new_matched_tokens(fake_request("c", tokens, salt="t2"), 0) == (0, False)
+    assert ask(sched_b, fake_request("c", tokens, salt="t2"), 0) == (0, False)
     keys = work_b.worker.transfer.keys(tokens[:288])
     flip_byte(store, keys[2].key, offset=-5, mask=1)
     req_d = fake_request("d", tokens)
-    assert sched_b.get_num_new_matched_tokens(req_d, 0) == (288, False)
-    sched_b.update_state_after_alloc(req_d, None, 288)
-    md = step(sched_b, req_d, blocks_b, computed=288, scheduled=12, new=True)
+    assert ask(sched_b, req_d, 0) == (288, background)
+    alloc(sched_b, req_d, blocks_b, 288)
+    md = step(sched_b, req_d, blocks_b, computed=288, scheduled=12, new=True, waiting=background)
     assert run_worker(work_b, md) == set(blocks_b[4:9])  # chunks 0-1 loaded (128 tokens)
-    assert md.saves  # planned, but this step computed over failed blocks: nothing may be saved
+    if not background:
+        assert md.saves  # planned, but this step computed over failed blocks: nothing may be saved
     assert store.get(keys[2].key) is None  # the damaged record was removed, never re-saved from garbage
-    # vLLM reports the failed blocks back and recomputes them. The next step was possibly planned
-    # before vLLM knew (async scheduling), so the worker saves nothing of that request in it.
-    sched_b.update_connector_output(SimpleNamespace(invalid_block_ids=set(blocks_b[4:9])))
-    assert sched_b.scheduler._saved_upto["d"] == 0
-    m_re = step(sched_b, req_d, blocks_b, computed=128, scheduled=172, new=False)
+    # vLLM reports the failed blocks back and recomputes them from there (num_computed = 128).
+    sched_b.update_connector_output(SimpleNamespace(invalid_block_ids=set(blocks_b[4:9]),
+                                                    finished_recving={"d"} if background else set()))
+    assert sched_b.scheduler._saved_upto.get("d", 0) == 0
+    assert ask(sched_b, req_d, 0) == (0, False)  # a failed load is never offered again: it would loop
+    # The recompute step was planned after the scheduler learned of the failure: its saves heal the cache.
+    m_re = step(sched_b, req_d, blocks_b, computed=128, scheduled=172, new=background)
     assert [s.ends for s in m_re.saves] == [[256, 288]] and not m_re.loads
     run_worker(work_b, m_re)
-    assert store.get(keys[2].key) is None
-    # The cache heals with the next request of that prefix: it loads what is there and saves the rest.
-    req_e = fake_request("e", tokens)
-    assert sched_b.get_num_new_matched_tokens(req_e, 0) == (128, False)
-    sched_b.update_state_after_alloc(req_e, None, 128)
-    blocks_e = [18, 19, 20, 22, 23, 5, 2, 11, 7, 0]
-    run_worker(work_b, step(sched_b, req_e, blocks_e, computed=128, scheduled=172, new=True))
     assert store.get(keys[2].key) is not None and len(list(store.iter_keys())) == 5
+    req_e = fake_request("e", tokens)
+    assert ask(sched_b, req_e, 0) == (288, background)
+
+
+def test_with_async_scheduling_the_step_planned_before_a_failure_was_seen_saves_nothing():
+    """With vLLM's async scheduling, step s+1 is planned before step s's output: a save of the
+    failed request in it could cover garbage. Only the steps planned after it are trusted."""
+    f, store = facts(), MemoryStore()
+    tokens = list(range(2000, 2300))
+    sched_a, work_a = make_connector("scheduler", store, f, **SYNC), make_connector("worker", store, f, **SYNC)
+    work_a.register_kv_caches(paged("cpu", seed=1))
+    req = fake_request("a", tokens)
+    ask(sched_a, req, 0)
+    alloc(sched_a, req, list(range(10)), 0)
+    run_worker(work_a, step(sched_a, req, list(range(10)), computed=0, scheduled=300, new=True))
+    sched_b, work_b = (make_connector("scheduler", store, f, lag=1, **SYNC),
+                       make_connector("worker", store, f, **SYNC))
+    work_b.register_kv_caches(paged("cpu", seed=2))
+    keys = work_b.worker.transfer.keys(tokens[:288])
+    flip_byte(store, keys[1].key, offset=-5, mask=1)
+    blocks = list(range(10, 20))
+    req_d = fake_request("d", tokens)
+    assert ask(sched_b, req_d, 0) == (288, False)
+    alloc(sched_b, req_d, blocks, 288)
+    md = step(sched_b, req_d, blocks, computed=288, scheduled=12, new=True)
+    assert md.lag == 1 and run_worker(work_b, md) == set(blocks[2:9])
+    early = step(sched_b, req_d, blocks, computed=300, scheduled=1, new=False)  # planned before the report
+    sched_b.update_connector_output(SimpleNamespace(invalid_block_ids=set(blocks[2:9])))
+    run_worker(work_b, early)
+    assert store.get(keys[1].key) is None
+    late = step(sched_b, req_d, blocks, computed=64, scheduled=236, new=False)
+    run_worker(work_b, late)
+    assert store.get(keys[1].key) is not None  # healed
+
+
+class SlowStore(MemoryStore):
+    """Reads take ``delay`` seconds per value (a far tier): background loads stay in flight."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def get_into(self, keys, pool):
+        for lease in super().get_into(keys, pool):
+            time.sleep(self.delay)
+            yield lease
+
+
+def test_an_aborted_background_load_stops_and_is_reported_once_and_writes_nothing_after():
+    f = facts()
+    store = SlowStore(0.05)
+    tokens = list(range(3000, 3300))
+    sched_a, work_a = make_connector("scheduler", store, f), make_connector("worker", store, f)
+    work_a.register_kv_caches(paged("cpu", seed=1))
+    req = fake_request("a", tokens)
+    ask(sched_a, req, 0)
+    alloc(sched_a, req, list(range(10)), 0)
+    run_worker(work_a, step(sched_a, req, list(range(10)), computed=0, scheduled=300, new=True))
+    sched_b, work_b = make_connector("scheduler", store, f), make_connector("worker", store, f)
+    dst = paged("cpu", seed=2)
+    work_b.register_kv_caches(dst)
+    req_b = fake_request("b", tokens)
+    assert ask(sched_b, req_b, 0) == (288, True)
+    blocks = list(range(10, 20))
+    alloc(sched_b, req_b, blocks, 288)
+    meta = step(sched_b, req_b, blocks, computed=288, scheduled=0, new=True, waiting=True)
+    work_b.bind_connector_metadata(meta)
+    work_b.start_load_kv(None)
+    work_b.wait_for_save()
+    assert work_b.get_finished(set()) == (None, None)  # still loading
+    assert sched_b.request_finished(req_b, blocks) == (False, None)  # aborted: no saves were planned
+    reported = []
+    for _ in range(400):  # the abort arrives in the next steps' finished_req_ids
+        sending, recving = work_b.get_finished({"b"} if not reported else set())
+        reported += sorted(recving or ())
+        if reported:
+            break
+        time.sleep(0.005)
+    assert reported == ["b"]
+    snapshot = {k: v.clone() for k, v in dst.items()}
+    time.sleep(0.2)
+    assert all(torch.equal(snapshot[k], dst[k]) for k in dst)  # nothing written after the report
+    assert work_b.get_finished(set()) == (None, None)  # reported exactly once
+    assert not work_b.get_block_ids_with_load_errors()  # an aborted request has nothing to recompute
+
+
+def test_a_preempted_request_waits_for_its_pending_gathers():
+    f, store = facts(), SlowStore(0)
+    worker = make_connector("worker", store, f)
+    worker.register_kv_caches(paged("cpu", seed=1))
+    gate = threading.Event()
+    original = worker.worker._run_save
+
+    def slow_save(transfer, spec):
+        gate.wait(5)
+        original(transfer, spec)
+
+    worker.worker._run_save = slow_save
+    meta = KVStoreConnectorMetadata(saves=[SaveSpec("p", list(range(64)), [0, 1], [64])], preempted=["p"])
+    worker.bind_connector_metadata(meta)
+    worker.wait_for_save()
+    threading.Timer(0.1, gate.set).start()
+    worker.handle_preemptions(meta)  # returns only once the gather of "p" ran
+    assert gate.is_set() and len(list(store.iter_keys())) == 1
 
 
 def test_roles_and_min_load():

@@ -26,8 +26,13 @@ __all__ = [
     "TIER_TRIPS",
     "QUEUE_ITEMS",
     "QUEUE_BYTES",
+    "TIER_LATENCY",
+    "TIER_BANDWIDTH",
     "EVICTIONS",
     "WRITE_DROPS",
+    "LOAD_DECISIONS",
+    "SAVE_DROPS",
+    "PREFILL_RATE",
     "WARM_PROMPTS",
     "INFO",
 ]
@@ -52,11 +57,24 @@ TIER_STATE = REGISTRY.gauge("kvstore_tier_state", "Circuit breaker state of a ti
 TIER_TRIPS = REGISTRY.counter("kvstore_tier_trips_total", "Times a tier's circuit breaker opened.", ("tier",))
 QUEUE_ITEMS = REGISTRY.gauge("kvstore_write_queue_items", "Writes waiting for a shared tier.", ("tier",))
 QUEUE_BYTES = REGISTRY.gauge("kvstore_write_queue_bytes", "Bytes waiting to be written to a shared tier.", ("tier",))
+TIER_LATENCY = REGISTRY.gauge("kvstore_tier_latency_seconds", "Measured round-trip latency of a tier (EWMA).",
+                              ("tier",))
+TIER_BANDWIDTH = REGISTRY.gauge("kvstore_tier_read_bytes_per_second", "Measured read bandwidth of a tier (EWMA).",
+                                ("tier",))
 EVICTIONS = REGISTRY.counter("kvstore_evictions_total", "Values a bounded local store evicted to stay under "
                              "max_bytes, by store kind (memory, file).", ("store",))
 WRITE_DROPS = REGISTRY.counter("kvstore_write_drops_total",
                                "Background writes dropped: queue_full, tier_unavailable, error or closed.",
                                ("tier", "reason"))
+
+# -- load or recompute (kvstore.cost) ---------------------------------------------------------------
+LOAD_DECISIONS = REGISTRY.counter("kvstore_load_decisions_total",
+                                  "Load-or-recompute decisions by the tier a hit would load from: load or recompute.",
+                                  ("tier", "decision"))
+SAVE_DROPS = REGISTRY.counter("kvstore_save_drops_total",
+                              "Saves an engine adapter dropped before gathering them (queue_full).", ("reason",))
+PREFILL_RATE = REGISTRY.gauge("kvstore_prefill_tokens_per_second",
+                              "The engine's measured prefill speed (EWMA), what a load is compared with.")
 
 # -- operations: warming, the build ----------------------------------------------------------------
 WARM_PROMPTS = REGISTRY.counter("kvstore_warm_prompts_total",

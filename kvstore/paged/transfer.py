@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -190,7 +190,9 @@ class KVTransfer:
     # -- load ------------------------------------------------------------------------------
     def load_sequence(self, tokens: TokenIds, slots: torch.Tensor,
                       max_tokens: int | None = None, *, skip_tokens: int = 0,
-                      namespace: Namespace | None = None) -> tuple[int, torch.Tensor | None]:
+                      namespace: Namespace | None = None,
+                      before_place: Callable[[ChunkKey, Record], None] | None = None,
+                      ) -> tuple[int, torch.Tensor | None]:
         """Load the longest stored prefix of ``tokens`` into ``slots``.
 
         Only chunks ending at or before ``max_tokens`` are considered. Each chunk is verified
@@ -198,8 +200,11 @@ class KVTransfer:
         (an engine's local prefix hit, possibly shared blocks): chunks ending there are not
         fetched and those slots are never written (``slots`` may hold anything for them); on
         a block-granular layout it must be a whole number of blocks. ``namespace`` overrides
-        the cache's. Returns ``(tokens present: skip_tokens or the end of the loaded prefix,
+        the cache's. ``before_place(chunk, record)`` runs for each verified chunk before its KV
+        is written; an exception from it stops the load there and propagates (a caller's
+        cancellation). Returns ``(tokens present: skip_tokens or the end of the loaded prefix,
         hidden state of the last loaded token or None)``; the hidden state is a new CPU tensor.
+        One batch read, no separate lookup: the records are fetched up to the first missing one.
         """
         arr = tokens_to_array(tokens)
         if skip_tokens < 0 or (self.layout.granularity == "block" and skip_tokens % self.block_size):
@@ -208,13 +213,11 @@ class KVTransfer:
         keys = [k for k in self.keys(arr, max_tokens, namespace=namespace) if k.end > skip_tokens]
         if not keys:
             return min(skip_tokens, arr.shape[0]), None
-        n = self.cache.lookup(keys)
-        if n == 0:
-            return min(skip_tokens, arr.shape[0]), None
-        keys = keys[:n]
         slots = slots.to(self.device, torch.int64)
 
         def sink(chunk: ChunkKey, record: Record) -> None:
+            if before_place is not None:
+                before_place(chunk, record)
             self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
 
         result = self.cache.load(arr[:keys[-1].end], keys, sink,

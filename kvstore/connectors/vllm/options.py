@@ -63,6 +63,30 @@ class VLLMConnectorOptions:
         True, help="Set vLLM's kv_load_failure_policy to 'recompute' at start-up: a record that "
         "fails verification after the scheduler counted it as a hit is recomputed by vLLM "
         "instead of failing the request. Turn off only to debug.")
+    load_mode: str = option(
+        "async", choices=("async", "sync"),
+        help="'async': a hit loads in the background while the engine keeps running other "
+        "requests (the request waits in WAITING_FOR_REMOTE_KVS); 'sync': the step that schedules "
+        "the request loads it before its forward, and every running request waits.")
+    save_mode: str = option(
+        "async", choices=("async", "sync"),
+        help="'async': a step's completed chunks are gathered and encoded by a background thread "
+        "(vLLM keeps a finished request's blocks until the gather is done); 'sync': inside the step.")
+    load_policy: str = option(
+        "auto", choices=("auto", "always", "never"),
+        help="'auto' loads a hit only when loading it (measured tier latency and bandwidth) is "
+        "faster than recomputing it (measured prefill speed), per tier; 'always' and 'never' force it.")
+    lookup_wait: float = option(
+        0.002, kind="duration",
+        help="How long a lookup may hold the scheduler before it answers 'ask again later' (a "
+        "memory or nearby Redis tier answers within it, sparing the request a step).")
+    lookup_timeout: float = option(
+        0.5, kind="duration",
+        help="A lookup not answered within this is a miss (a slow or frozen tier never holds a request longer).")
+    pool_bytes: int = option(
+        1 << 30, kind="size",
+        help="Size of the process's buffer pool that records are gathered into and received into "
+        "(resident memory, pinned on CUDA). Must hold a load's records in flight plus queued saves.")
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -73,6 +97,13 @@ class VLLMConnectorOptions:
             raise ConfigError(f"chunk_tokens={self.chunk_tokens} must be a positive number of tokens")
         if self.min_load_tokens < 0:
             raise ConfigError(f"min_load_tokens={self.min_load_tokens} must not be negative")
+        if not 0 <= self.lookup_wait <= self.lookup_timeout:
+            raise ConfigError(f"lookup_wait={self.lookup_wait:g}s must be between 0 and lookup_timeout="
+                              f"{self.lookup_timeout:g}s")
+        if not 0 < self.lookup_timeout <= 60:
+            raise ConfigError(f"lookup_timeout={self.lookup_timeout:g}s must be in (0, 60] seconds")
+        if not 16 << 20 <= self.pool_bytes <= 1 << 40:
+            raise ConfigError(f"pool_bytes={self.pool_bytes} must be between 16MiB and 1TiB")
 
 
 def parse_options(extra: Mapping[str, Any] | None) -> VLLMConnectorOptions:

@@ -1,31 +1,51 @@
-"""The connector's scheduler side (vLLM's EngineCore process): lookups and per-step plans.
+"""The connector's scheduler side (vLLM's EngineCore process): lookups, load decisions and plans.
 
-``get_num_new_matched_tokens`` computes the chunk keys of the prompt (cut at the last whole
-block that still leaves one token to compute) and asks the store for the longest stored prefix:
-one ``longest_prefix`` round trip per tier (and per TP rank with tensor parallelism). It
-reports the hit beyond vLLM's own local prefix hit. ``build_meta`` tells the worker, per step,
-which request loads which token range into which blocks (new requests with a hit) and which
-requests save which prefixes: a chunk is saved in the step that completes it, so with chunked
-prefill a long prompt is saved chunk by chunk as its blocks become fully computed.
+Nothing here waits on the network beyond ``lookup_wait``:
+
+* **Lookups run in the background.** ``get_num_new_matched_tokens`` starts a lookup of the
+  prompt's chunk keys (cut at the last whole block that leaves one token to compute; every tier,
+  every TP rank's shard) on a small thread pool and answers ``None`` ("ask again later") until it
+  is done; vLLM keeps scheduling other requests meanwhile. A lookup still unanswered after
+  ``lookup_timeout`` is a miss. Results are cached per request.
+* **Load or recompute** (``kvstore.cost``): the lookup knows how many leading chunks each tier
+  holds; the cost model picks how many are worth loading from the measured tier speeds and the
+  engine's prefill speed, which this side measures on steps that computed prefills.
+* **Loads run in the background** (``load_mode="async"``): the hit is reported as asynchronous,
+  vLLM allocates its blocks and parks the request in ``WAITING_FOR_REMOTE_KVS``; the worker loads
+  it and reports it done through ``get_finished``. A request whose load failed is never offered
+  an external hit again (vLLM recomputes it).
+* **Plans**: ``build_meta`` tells the worker, per step, which loads to start (block ids come
+  from ``update_state_after_alloc``) and which requests save which prefixes: a chunk is saved in
+  the step that completes it, so with chunked prefill a long prompt is saved chunk by chunk.
+  With ``save_mode="async"`` a finished request that had saves planned keeps its blocks until
+  the worker has gathered them (``request_finished`` answers True).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvstore.connectors.vllm.facts import EngineFacts, build_namespace
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.connectors.vllm.plan import blocks_for, external_tokens, lookup_limit, save_ends
+from kvstore.cost import CostModel
+from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, TokenIds
+from kvstore.metrics.catalog import LATENCY, LOOKUP_HIT_TOKENS, LOOKUP_TOKENS, LOOKUPS
 from kvstore.prefix_cache import PrefixCache
-from kvstore.stores import Store
+from kvstore.stores import Store, TieredStore
+from kvstore.stores.tiered.speed import LinkSpeed
 
 if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -34,7 +54,7 @@ __all__ = ["SchedulerSide", "live_schedulers"]
 
 log = logging.getLogger("kvstore.vllm")
 
-_LOOKUP_TTL = 1.0  # seconds a lookup result is reused while a request waits to be scheduled
+_PREFILL_SAMPLE_TOKENS = 128  # steps computing fewer prompt tokens say little about prefill speed
 _live: weakref.WeakSet[SchedulerSide] = weakref.WeakSet()
 
 
@@ -43,28 +63,73 @@ def live_schedulers() -> list[SchedulerSide]:
     return list(_live)
 
 
+@dataclass
+class _Lookup:
+    """One request's lookup: running on the pool, then its answer (tokens worth loading)."""
+
+    num_tokens: int
+    started: float
+    future: Future[int]
+
+
+@dataclass
+class _Pending:
+    """A load vLLM allocated blocks for in this step, to hand to the worker."""
+
+    start: int
+    end: int
+    block_ids: list[int]
+    background: bool
+
+
+@dataclass
+class _StepClock:
+    """Measures the engine's prefill speed: the wall time between two plans and the prompt tokens
+    the first of them scheduled (a step's duration, on a synchronously scheduled engine)."""
+
+    last: float | None = None
+    prompt_tokens: int = 0
+    had_loads: bool = False
+    samples: list[tuple[int, float]] = field(default_factory=list)
+
+
 class SchedulerSide:
-    """Lookups and plans for one engine. ``block_ids(req_id)`` reads vLLM's block table."""
+    """Lookups, decisions and plans for one engine. ``block_ids(req_id)`` reads vLLM's block table."""
 
     def __init__(self, store: Store, facts: EngineFacts, opts: VLLMConnectorOptions, *, loads: bool,
-                 saves: bool, block_ids: Callable[[str], list[int]]) -> None:
+                 saves: bool, block_ids: Callable[[str], list[int]], lag: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.opts = opts
         self.store = store
         self.block_size = facts.block_size
         self.do_load, self.do_save = loads, saves
         self._block_ids = block_ids
+        self._lag = lag
+        self._clock = clock
         # One prefix cache per TP rank: a hit needs every rank's shard.
         self.caches = [PrefixCache(store, build_namespace(facts, opts, rank)[0], codec=opts.codec)
                        for rank in range(facts.tp_size)]
-        self._lookups: dict[str, tuple[int, int, float]] = {}  # req -> (num_tokens, hit, when)
+        self.chunk_bytes = facts.bytes_per_token * opts.chunk_tokens
+        self.cost = CostModel(opts.load_policy)
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-lookup")
+        self._lock = threading.Lock()
+        self._lookups: dict[str, _Lookup] = {}
         self._requests: dict[str, Request] = {}
-        self._local_hit: dict[str, int] = {}  # req -> local hit shown to get_num_new_matched_tokens
-        self._pending_loads: dict[str, tuple[int, int]] = {}
+        self._local_hit: dict[str, int] = {}  # req -> the local hit shown to get_num_new_matched_tokens
+        self._pending: dict[str, _Pending] = {}
+        self._loading: dict[str, LoadSpec] = {}  # background loads not yet reported done (aborted ones too)
+        self._failed: set[str] = set()  # requests whose load failed: recomputed, never offered a hit again
         self._saved_upto: dict[str, int] = {}
+        self._planned_saves: set[str] = set()  # requests a SaveSpec went out for (the worker knows them too)
+        self._step = 0
+        self._clock_state = _StepClock()
         ns = self.caches[0].namespace
-        log.info("KVStoreConnector (scheduler): namespace %s (%s), role load=%s save=%s, store %s",
-                 ns.id, ns.layout, loads, saves, store.describe())
+        log.info("KVStoreConnector (scheduler): namespace %s (%s), load=%s (%s, policy %s) save=%s (%s), store %s",
+                 ns.id, ns.layout, loads, opts.load_mode, opts.load_policy, saves, opts.save_mode, store.describe())
         _live.add(self)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def chunk_keys(self, tokens: TokenIds, salt: str = "") -> list[ChunkKey]:
         """Keys of every chunk this engine saves for a prompt of ``tokens``, for every TP rank."""
@@ -73,97 +138,174 @@ class SchedulerSide:
         return [k for cache in self.caches for k in cache.keys(arr[:limit], namespace=cache.namespace.with_salt(salt))]
 
     # -- lookup ----------------------------------------------------------------------------------
-    def _hit_tokens(self, request: Request) -> int:
-        tokens = request.prompt_token_ids or []
-        limit = lookup_limit(len(tokens), self.block_size)
-        if limit < self.block_size:
+    def _lookup(self, tokens: list[int], limit: int, salt: str) -> int:
+        """Tokens of the stored prefix worth loading (runs on the lookup pool; never raises)."""
+        start = time.perf_counter()
+        LOOKUPS.inc()
+        try:
+            per_tier: list[int] | None = None
+            keys: list[ChunkKey] = []
+            for cache in self.caches:  # every TP rank must hold its shard
+                keys = cache.keys(tokens[:limit], namespace=cache.namespace.with_salt(salt))
+                names = [k.key for k in keys]
+                held = (self.store.longest_prefix_by_tier(names) if isinstance(self.store, TieredStore)
+                        else [self.store.longest_prefix(names)])
+                per_tier = held if per_tier is None else [min(a, b) for a, b in zip(per_tier, held)]
+                if not any(per_tier):
+                    break
+        except KVStoreError as exc:  # a bare store's outage: a miss
+            log.debug("lookup failed: %s", exc)
+            per_tier = None
+        LATENCY.observe(time.perf_counter() - start, op="lookup")
+        LOOKUP_TOKENS.inc(limit)
+        if not per_tier or not any(per_tier) or not keys:
             return 0
-        cached = self._lookups.get(request.request_id)
-        now = time.monotonic()
-        if cached is not None and cached[0] == len(tokens) and now - cached[2] < _LOOKUP_TTL:
-            return cached[1]
-        salt = request.cache_salt or ""
-        hit = limit
-        for cache in self.caches:  # every TP rank must hold its shard
-            ns = cache.namespace.with_salt(salt)
-            keys = cache.keys(tokens[:limit], namespace=ns)
-            hit = min(hit, cache.lookup_tokens(keys))
-            if hit == 0:
-                break
-        self._lookups[request.request_id] = (len(tokens), hit, now)
+        plan = self.cost.plan(list(zip(self._speeds(len(per_tier)), per_tier)), [k.num_tokens for k in keys],
+                              self.chunk_bytes)
+        hit = keys[plan.chunks - 1].end if plan.chunks else 0
+        LOOKUP_HIT_TOKENS.inc(hit)
         return hit
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self.do_load or request.prompt_token_ids is None or getattr(request, "mm_features", None):
-            return 0, False  # keys cover token ids only: multimodal prompts bypass the cache
-        hit = self._hit_tokens(request)
-        self._local_hit[request.request_id] = num_computed_tokens
-        return external_tokens(hit, num_computed_tokens, self.opts.min_load_tokens), False
+    def _speeds(self, n: int) -> list[LinkSpeed]:
+        if isinstance(self.store, TieredStore):
+            return [t.speed for t in self.store.tiers]
+        return [LinkSpeed("store") for _ in range(n)]
 
-    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        tokens = request.prompt_token_ids
+        if not self.do_load or tokens is None or getattr(request, "mm_features", None) or req_id in self._failed:
+            return 0, False  # keys cover token ids only: multimodal prompts bypass the cache
+        limit = lookup_limit(len(tokens), self.block_size)
+        if limit < self.block_size:
+            return 0, False
+        job = self._lookups.get(req_id)
+        if job is None or job.num_tokens != len(tokens):
+            future = self._pool.submit(self._lookup, list(tokens), limit, request.cache_salt or "")
+            job = self._lookups[req_id] = _Lookup(len(tokens), self._clock(), future)
+        if not job.future.done():
+            try:
+                job.future.result(timeout=self.opts.lookup_wait)
+            except Exception:  # noqa: BLE001 - not answered yet (or failed: handled below)
+                pass
+        if not job.future.done():
+            if self._clock() - job.started < self.opts.lookup_timeout:
+                return None, False  # ask again next step; other requests go on meanwhile
+            log.debug("KVStoreConnector: lookup of %s not answered in %gs: a miss", req_id, self.opts.lookup_timeout)
+            hit = 0
+        else:
+            hit = job.future.result() if job.future.exception() is None else 0
+        self._local_hit[req_id] = num_computed_tokens
+        ext = external_tokens(hit, num_computed_tokens, self.opts.min_load_tokens)
+        return ext, ext > 0 and self.opts.load_mode == "async"
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks | None,
+                                 num_external_tokens: int) -> None:
         req_id = request.request_id
         self._requests[req_id] = request
         self._lookups.pop(req_id, None)
         local = self._local_hit.pop(req_id, None)
         if num_external_tokens > 0 and local is not None:
-            # vLLM places the external tokens right after the (block-aligned) local hit it
-            # showed get_num_new_matched_tokens.
-            self._pending_loads[req_id] = (local, local + num_external_tokens)
+            # vLLM places the external tokens right after the (block-aligned) local hit it showed
+            # get_num_new_matched_tokens, in the blocks it just allocated.
+            ids = list(blocks.get_block_ids()[0]) if blocks is not None else self._block_ids(req_id)
+            self._pending[req_id] = _Pending(local, local + num_external_tokens, ids,
+                                             self.opts.load_mode == "async")
 
     # -- per-step plans --------------------------------------------------------------------------
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata()
+        self._step += 1
+        meta = KVStoreConnectorMetadata(step=self._step, lag=self._lag,
+                                        preempted=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+        for req_id, pending in self._pending.items():
+            request = self._requests.get(req_id)
+            if request is None or request.prompt_token_ids is None:
+                continue
+            spec = LoadSpec(req_id, list(request.prompt_token_ids[:pending.end]),
+                            pending.block_ids[:blocks_for(pending.end, self.block_size)], pending.start, pending.end,
+                            request.cache_salt or "", background=pending.background)
+            meta.loads.append(spec)
+            if pending.background:
+                self._loading[req_id] = spec
+        self._pending.clear()
+        computed = 0
         for new in scheduler_output.scheduled_new_reqs:
-            self._plan(meta, new.req_id, new.num_computed_tokens, scheduler_output)
+            self._plan_saves(meta, new.req_id, new.num_computed_tokens, scheduler_output)
+            computed += self._prompt_tokens(new.req_id, new.num_computed_tokens, scheduler_output)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            self._plan(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
-        self._pending_loads.clear()
+            self._plan_saves(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
+            computed += self._prompt_tokens(req_id, cached.num_computed_tokens[i], scheduler_output)
+        self._time_step(computed, bool(meta.loads))
         return meta
 
-    def _plan(self, meta: KVStoreConnectorMetadata, req_id: str, num_computed: int,
-              scheduler_output: SchedulerOutput) -> None:
+    def _prompt_tokens(self, req_id: str, num_computed: int, scheduler_output: SchedulerOutput) -> int:
+        """Prompt tokens this step computes for ``req_id`` (its prefill part)."""
         request = self._requests.get(req_id)
-        if request is None or request.prompt_token_ids is None or getattr(request, "mm_features", None):
+        if request is None or request.prompt_token_ids is None:
+            return 0
+        scheduled = int(scheduler_output.num_scheduled_tokens.get(req_id, 0))
+        return max(0, min(num_computed + scheduled, len(request.prompt_token_ids)) - num_computed)
+
+    def _time_step(self, prompt_tokens: int, had_loads: bool) -> None:
+        now = self._clock()
+        state = self._clock_state
+        if (state.last is not None and state.prompt_tokens >= _PREFILL_SAMPLE_TOKENS and not state.had_loads):
+            self.cost.observe_prefill(state.prompt_tokens, now - state.last)
+        state.last, state.prompt_tokens, state.had_loads = now, prompt_tokens, had_loads
+
+    def _plan_saves(self, meta: KVStoreConnectorMetadata, req_id: str, num_computed: int,
+                    scheduler_output: SchedulerOutput) -> None:
+        request = self._requests.get(req_id)
+        if (not self.do_save or request is None or request.prompt_token_ids is None
+                or getattr(request, "mm_features", None)):
             return
         prompt = request.prompt_token_ids
-        salt = request.cache_salt or ""
-        load = self._pending_loads.get(req_id)
-        blocks: list[int] | None = None
-        if load is not None:
-            start, end = load
-            blocks = self._block_ids(req_id)
-            meta.loads.append(LoadSpec(req_id, list(prompt[:end]), blocks[:blocks_for(end, self.block_size)],
-                                       start, end, salt))
-        if not self.do_save:
-            return
         after = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
         done = self._saved_upto.get(req_id, 0)
         ends = save_ends(len(prompt), after, done, chunk_tokens=self.opts.chunk_tokens,
                          block_size=self.block_size, save_partial=self.opts.save_partial_chunks)
         if ends:
-            blocks = blocks if blocks is not None else self._block_ids(req_id)
             top = max(ends)
+            blocks = self._block_ids(req_id)
             meta.saves.append(SaveSpec(req_id, list(prompt[:top]), blocks[:blocks_for(top, self.block_size)],
-                                       ends, salt))
+                                       ends, request.cache_salt or ""))
             self._saved_upto[req_id] = top
+            self._planned_saves.add(req_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        invalid = connector_output.invalid_block_ids
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        invalid = connector_output.invalid_block_ids or set()
+        for req_id in getattr(connector_output, "finished_recving", None) or ():
+            spec = self._loading.pop(req_id, None)
+            if spec is not None and req_id not in failed and not invalid.intersection(spec.block_ids):
+                # Those chunks are in the store: nothing before spec.end needs saving again.
+                self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), spec.end)
+        for req_id in failed:
+            self._failed.add(req_id)
+            self._saved_upto[req_id] = 0
         if not invalid:
             return
         # A failed load (or a local hit on a block that failed) is recomputed by vLLM; plan the
         # affected requests' saves again so the recomputed chunks reach the store.
-        for req_id in list(self._saved_upto):
+        for req_id in list(self._requests):
             try:
                 blocks = self._block_ids(req_id)
             except Exception:  # noqa: BLE001 - the request left the cache manager
                 continue
             if invalid.intersection(blocks):
                 self._saved_upto[req_id] = 0
+                self._failed.add(req_id)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
-        for table in (self._requests, self._lookups, self._local_hit, self._pending_loads, self._saved_upto):
-            table.pop(req_id, None)
-        return False, None  # saves gather synchronously in the step that computed the blocks
+        had_saves = req_id in self._planned_saves
+        self._planned_saves.discard(req_id)
+        for table in (self._requests, self._lookups, self._local_hit, self._pending, self._saved_upto):
+            table.pop(req_id, None)  # type: ignore[attr-defined]
+        self._failed.discard(req_id)
+        # A background load still running keeps its entry until the worker reports it (vLLM keeps
+        # the blocks until then). With background saves, the worker may still be gathering this
+        # request's blocks: vLLM keeps them until it reports the request in finished_sending (the
+        # worker reports every request it saw a SaveSpec for: the same rule as here).
+        return had_saves and self.opts.save_mode == "async", None

@@ -1,21 +1,35 @@
 """The connector's worker side (each vLLM worker process): loads and saves of paged KV.
 
-``start_load`` runs the step's loads synchronously before the forward (the scheduler marks such
-steps ``has_sync_kv_loads``). Every record is verified before a byte reaches the cache; a chunk
-that is missing or fails verification stops the load, and the blocks it should have filled are
-reported through ``block_ids_with_load_errors`` so vLLM recomputes them. Tokens of vLLM's local
-hit are never written. ``save`` gathers the step's completed chunks into host staging memory
-and hands the encoded records to the store: the local tiers are written at once, shared tiers
-(Redis, S3) by the tiered store's background writers, so the forward never waits on the network.
-
-Blocks are never freed under a save: the gather finishes inside the step that computed the
-blocks, and the worker runs steps in order, so a block freed after ``request_finished`` can only
-be rewritten by a later step, after its copy is taken.
+* **Background loads** (``LoadSpec.background``): ``start_load`` hands each to a loader thread
+  that fetches the records (received into pooled buffers), verifies each and scatters it into the
+  request's own blocks; the engine keeps running other requests. ``finished`` reports the
+  request once its loader is done, exactly once; the blocks a partial load could not fill are
+  reported as load errors in the same step, so vLLM recomputes from the first of them. A request
+  aborted while loading is stopped between chunks and reported once its loader has stopped (vLLM
+  keeps its blocks until then): nothing writes into a block after it was reported.
+* **Loads before the forward** (``load_mode="sync"``) run inside ``start_load``, as before.
+  Tokens of vLLM's local hit are never written.
+* **Saves**: the step's completed chunks are gathered from the paged cache into pooled buffers
+  and handed to the store (local tiers written at once, shared tiers by background writers). In
+  ``save_mode="async"`` a saver thread does the gather; vLLM keeps a finished request's blocks
+  until ``finished`` reports it in ``finished_sending`` (the rule both sides share: every finished
+  request that had a SaveSpec), and a preempted request's pending gathers finish in
+  ``handle_preemptions`` before its blocks can be overwritten. A full save queue drops the save
+  (counted), never blocks the engine.
+* **After a failed synchronous load** the blocks from the failure on hold no valid KV until vLLM
+  recomputes them: saves covering them, or the request, are refused when they were planned before
+  the scheduler learned of the failure (the step that failed, plus ``lag`` steps planned ahead
+  under async scheduling); the recompute's own saves go through, so the cache heals.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.connectors.vllm.facts import EngineFacts, build_namespace
@@ -23,8 +37,11 @@ from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec,
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.connectors.vllm.plan import blocks_for, failed_blocks
 from kvstore.errors import ConfigError
+from kvstore.keys import ChunkKey
+from kvstore.metrics.catalog import SAVE_DROPS
 from kvstore.paged import KVTransfer, dtype_name, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
+from kvstore.record import Record
 from kvstore.stores import Store
 
 if TYPE_CHECKING:
@@ -33,6 +50,19 @@ if TYPE_CHECKING:
 __all__ = ["WorkerSide"]
 
 log = logging.getLogger("kvstore.vllm")
+
+_SAVE_QUEUE = 256  # save specs waiting for the saver thread before new ones are dropped
+
+
+class _Cancelled(Exception):
+    """Internal: a background load of an aborted request stops between chunks."""
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    future: Future[int]
+    cancel: threading.Event
 
 
 class WorkerSide:
@@ -45,12 +75,19 @@ class WorkerSide:
         self.block_size = facts.block_size
         self.namespace, self.layout = build_namespace(facts, opts, tp_rank)
         self.transfer: KVTransfer | None = None
+        self._loader: KVTransfer | None = None  # the loader thread's own (a transfer holds per-thread staging)
+        self._saver: KVTransfer | None = None
         self._load_errors: set[int] = set()
-        # After a failed load, blocks from the failure on hold no valid KV until vLLM recomputes
-        # them. vLLM learns of the failure from this step's output; with async scheduling the
-        # next step was already planned without knowing it. So for this step and the next, no
-        # save may cover a failed block or a request whose load failed (value: last step).
-        self._step = 0
+        self._loads: dict[str, _Load] = {}
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
+        # Saves: a queue drained by one thread; per request, gathers still to run.
+        self._save_queue: queue.Queue[SaveSpec | None] = queue.Queue(_SAVE_QUEUE)
+        self._save_lock = threading.Condition()
+        self._pending_saves: Counter[str] = Counter()
+        self._saw_saves: set[str] = set()  # requests a SaveSpec came for (reported at finish)
+        self._finishing: set[str] = set()  # finished requests whose gathers may still run
+        self._save_thread: threading.Thread | None = None
+        # Failed synchronous loads: request/block -> the last plan step that may have used them.
         self._tainted_reqs: dict[str, int] = {}
         self._tainted_blocks: dict[int, int] = {}
 
@@ -61,35 +98,80 @@ class WorkerSide:
             raise ConfigError(f"KVStoreConnector needs every layer's KV cache to have one shape; got {sorted(shapes)}")
         cache = PrefixCache(self.store, self.namespace, codec=self.opts.codec)
         self.transfer = KVTransfer(cache, caches, self.layout)  # checks layout, dtype, block size, layers
-        log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, namespace %s",
+        self._loader = KVTransfer(cache, caches, self.layout)
+        self._saver = KVTransfer(cache, caches, self.layout)
+        log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, namespace %s, load %s, save %s",
                  self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
-                 self.layout.name, self.namespace.id)
+                 self.layout.name, self.namespace.id, self.opts.load_mode, self.opts.save_mode)
+
+    def close(self) -> None:
+        for load in self._loads.values():
+            load.cancel.set()
+        self._load_pool.shutdown(wait=True)
+        if self._save_thread is not None:
+            self._save_queue.put(None)
+            self._save_thread.join(timeout=self.opts.flush_timeout)
 
     # -- load --------------------------------------------------------------------------------------
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
         if not meta.loads or self.transfer is None:
             return
         for spec in meta.loads:
-            present = self._load(spec)
+            if spec.background:
+                cancel = threading.Event()
+                self._loads[spec.req_id] = _Load(spec, self._load_pool.submit(self._load, spec, cancel), cancel)
+                continue
+            present = self._run_load(self.transfer, spec, None)
             if present < spec.end:
                 bad = failed_blocks(spec.block_ids, self.block_size, present, spec.end)
                 self._load_errors.update(bad)
-                self._tainted_reqs[spec.req_id] = self._step + 1
-                self._tainted_blocks.update((b, self._step + 1) for b in bad)
+                last = meta.step + meta.lag  # plans up to this step were made before the scheduler knew
+                self._tainted_reqs[spec.req_id] = last
+                self._tainted_blocks.update((b, last) for b in bad)
                 log.info("KVStoreConnector: request %s loaded %d of %d tokens; %d blocks recomputed",
                          spec.req_id, present, spec.end, len(bad))
 
-    def _load(self, spec: LoadSpec) -> int:
-        assert self.transfer is not None
+    def _load(self, spec: LoadSpec, cancel: threading.Event) -> int:
+        assert self._loader is not None
+        return self._run_load(self._loader, spec, cancel)
+
+    def _run_load(self, transfer: KVTransfer, spec: LoadSpec, cancel: threading.Event | None) -> int:
+        """Tokens of ``spec`` present after loading (``spec.start``: nothing loaded); never raises."""
         try:
             slots = slots_from_block_table(spec.block_ids, self.block_size, spec.end)
-            present, _ = self.transfer.load_sequence(
+            check = None
+            if cancel is not None:
+                def check(chunk: ChunkKey, record: Record) -> None:
+                    if cancel.is_set():
+                        raise _Cancelled
+            present, _ = transfer.load_sequence(
                 spec.tokens, slots, max_tokens=spec.end, skip_tokens=spec.start,
-                namespace=self.namespace.with_salt(spec.salt))
+                namespace=self.namespace.with_salt(spec.salt), before_place=check)
             return present
+        except _Cancelled:
+            return spec.start
         except Exception:
             log.exception("KVStoreConnector: load of request %s failed", spec.req_id)
             return spec.start
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """``(finished_sending, finished_recving)`` of this step; each request reported once."""
+        recving: set[str] = set()
+        for req_id in finished_req_ids & self._loads.keys():
+            self._loads[req_id].cancel.set()  # aborted while loading: stop between chunks
+        for req_id, load in list(self._loads.items()):
+            if not load.future.done():
+                continue
+            del self._loads[req_id]
+            recving.add(req_id)
+            present = load.future.result()
+            spec = load.spec
+            if present < spec.end and not load.cancel.is_set():
+                bad = failed_blocks(spec.block_ids, self.block_size, present, spec.end)
+                self._load_errors.update(bad)
+                log.info("KVStoreConnector: request %s loaded %d of %d tokens in the background; %d blocks "
+                         "recomputed", req_id, present, spec.end, len(bad))
+        return self._finished_saves(finished_req_ids), recving
 
     def block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -97,30 +179,89 @@ class WorkerSide:
 
     # -- save --------------------------------------------------------------------------------------
     def save(self, meta: KVStoreConnectorMetadata | None) -> None:
-        try:
-            if meta is not None and self.transfer is not None:
-                for spec in meta.saves:
-                    if not self._tainted(spec):
-                        self._save(spec)
-        finally:
-            self._step += 1
-            if self._tainted_reqs or self._tainted_blocks:
-                self._tainted_reqs = {r: s for r, s in self._tainted_reqs.items() if s >= self._step}
-                self._tainted_blocks = {b: s for b, s in self._tainted_blocks.items() if s >= self._step}
+        if meta is None or self.transfer is None:
+            return
+        for spec in meta.saves:
+            if self.opts.save_mode == "async":
+                with self._save_lock:
+                    self._saw_saves.add(spec.req_id)
+            if self._tainted(spec, meta.step):
+                continue
+            if self.opts.save_mode != "async":
+                self._run_save(self.transfer, spec)
+                continue
+            with self._save_lock:
+                self._pending_saves[spec.req_id] += 1
+            try:
+                self._saver_thread()
+                self._save_queue.put_nowait(spec)
+            except queue.Full:
+                self._save_done(spec.req_id)
+                SAVE_DROPS.inc(reason="queue_full")
+        for step_map in (self._tainted_reqs, self._tainted_blocks):
+            for key in [k for k, last in step_map.items() if last <= meta.step]:
+                del step_map[key]  # type: ignore[arg-type]
 
-    def _tainted(self, spec: SaveSpec) -> bool:
-        if spec.req_id in self._tainted_reqs:
+    def _tainted(self, spec: SaveSpec, step: int) -> bool:
+        """Whether ``spec`` (planned in ``step``) may cover KV of a failed load not yet recomputed."""
+        if self._tainted_reqs.get(spec.req_id, -1) >= step:
             return True
         if self._tainted_blocks:
             used = spec.block_ids[:blocks_for(max(spec.ends), self.block_size)]
-            return any(b in self._tainted_blocks for b in used)
+            return any(self._tainted_blocks.get(b, -1) >= step for b in used)
         return False
 
-    def _save(self, spec: SaveSpec) -> None:
-        assert self.transfer is not None
+    def _saver_thread(self) -> None:
+        if self._save_thread is None:
+            self._save_thread = threading.Thread(target=self._drain_saves, name="kvstore-save", daemon=True)
+            self._save_thread.start()
+
+    def _drain_saves(self) -> None:
+        assert self._saver is not None
+        while (spec := self._save_queue.get()) is not None:
+            try:
+                self._run_save(self._saver, spec)
+            finally:
+                self._save_done(spec.req_id)
+
+    def _save_done(self, req_id: str) -> None:
+        with self._save_lock:
+            self._pending_saves[req_id] -= 1
+            if self._pending_saves[req_id] <= 0:
+                del self._pending_saves[req_id]
+            self._save_lock.notify_all()
+
+    def _run_save(self, transfer: KVTransfer, spec: SaveSpec) -> None:
         try:
             slots = slots_from_block_table(spec.block_ids, self.block_size, max(spec.ends))
             for end in spec.ends:
-                self.transfer.save_sequence(spec.tokens[:end], slots[:end], namespace=self.namespace.with_salt(spec.salt))
+                transfer.save_sequence(spec.tokens[:end], slots[:end], namespace=self.namespace.with_salt(spec.salt))
         except Exception:
             log.exception("KVStoreConnector: save of request %s failed", spec.req_id)
+
+    def _finished_saves(self, finished_req_ids: set[str]) -> set[str]:
+        """Finished requests whose gathers are all done (background saves only)."""
+        if self.opts.save_mode != "async":
+            return set()
+        with self._save_lock:
+            self._finishing |= finished_req_ids & self._saw_saves
+            done = {r for r in self._finishing if self._pending_saves.get(r, 0) == 0}
+            self._finishing -= done
+            self._saw_saves -= done
+        return done
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for background loads and gathers to finish; True if they did."""
+        for load in list(self._loads.values()):
+            try:
+                load.future.result(timeout=timeout)
+            except Exception:  # noqa: BLE001 - a timeout or a load's failure: reported by finished()
+                return False
+        with self._save_lock:
+            return self._save_lock.wait_for(lambda: not self._pending_saves, timeout=timeout)
+
+    def handle_preemptions(self, meta: KVStoreConnectorMetadata) -> None:
+        """Finish the gathers of preempted requests before their freed blocks are reused."""
+        with self._save_lock:
+            while any(self._pending_saves.get(r, 0) for r in meta.preempted):
+                self._save_lock.wait(timeout=1.0)

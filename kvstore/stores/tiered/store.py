@@ -189,21 +189,25 @@ class TieredStore(Store):
         return present
 
     def longest_prefix(self, keys: Sequence[str]) -> int:
-        best = 0
-        for tier in self.tiers:
-            if best >= len(keys):
-                break
+        return max(self.longest_prefix_by_tier(keys), default=0)
+
+    def longest_prefix_by_tier(self, keys: Sequence[str]) -> list[int]:
+        """How many leading ``keys`` each tier holds (its queued writes included), fastest tier
+        first; tiers after one that holds every key are not asked (0). One round trip per tier."""
+        out = [0] * len(self.tiers)
+        for i, tier in enumerate(self.tiers):
             queued = tier.writer.holds(keys) if tier.writer is not None else None
             if queued and any(queued):
-                # Writes still queued count too: ask presence of every key, one round trip.
                 present = tier.call("exists_many", keys, [False] * len(keys))
                 n = 0
                 while n < len(keys) and (present[n] or queued[n]):
                     n += 1
             else:
                 n = tier.call("longest_prefix", keys, 0)
-            best = max(best, n)
-        return best
+            out[i] = n
+            if n >= len(keys):
+                break
+        return out
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         sizes: list[int | None] = [None] * len(keys)

@@ -13,11 +13,13 @@ from kvstore.metrics.catalog import ERRORS, LATENCY
 from kvstore.stores.base import LeaseStream, Store
 from kvstore.stores.tiered.breaker import CircuitBreaker
 from kvstore.stores.tiered.config import TieredConfig
+from kvstore.stores.tiered.speed import LinkSpeed
 from kvstore.stores.tiered.writer import Writer
 
 __all__ = ["Tier", "tier_names"]
 
 log = logging.getLogger("kvstore.stores")
+_ROUND_TRIPS = ("longest_prefix", "exists_many")  # calls that move no values: one round trip each
 T = TypeVar("T")
 
 
@@ -32,6 +34,7 @@ class Tier:
         self.breaker = CircuitBreaker(name, failures=config.breaker_failures, cooldown=config.breaker_cooldown,
                                       max_cooldown=config.breaker_max_cooldown, clock=clock)
         self.writer: Writer | None = None if self.local else Writer(self, config)
+        self.speed = LinkSpeed(name)
 
     def call(self, op: str, arg: Any, default: T) -> T:
         """``store.<op>(arg)`` guarded by the breaker; ``default`` when skipped or failed
@@ -48,11 +51,12 @@ class Tier:
             yield from [None] * len(keys)
             return
         start = time.perf_counter()
-        yielded = 0
+        yielded = nbytes = 0
         inner = self.store.get_into(keys, pool)
         try:
             for lease in inner:
                 yielded += 1
+                nbytes += 0 if lease is None else lease.nbytes
                 yield lease
         except Exception as exc:  # noqa: BLE001 - a tier's failure must never reach the engine
             self._failed("get_into", exc)
@@ -60,7 +64,9 @@ class Tier:
             return
         finally:
             inner.close()
-        LATENCY.observe(time.perf_counter() - start, op=f"{self.name}.get_into")
+        seconds = time.perf_counter() - start
+        LATENCY.observe(seconds, op=f"{self.name}.get_into")
+        self.speed.read(nbytes, seconds)
         self.breaker.success()
 
     def iter_keys(self, prefix: str) -> list[str]:
@@ -90,7 +96,10 @@ class Tier:
         except Exception as exc:  # noqa: BLE001 - a tier's failure must never reach the engine
             self._failed(op, exc)
             return default
-        LATENCY.observe(time.perf_counter() - start, op=f"{self.name}.{op}")
+        seconds = time.perf_counter() - start
+        LATENCY.observe(seconds, op=f"{self.name}.{op}")
+        if op in _ROUND_TRIPS:
+            self.speed.round_trip(seconds)
         self.breaker.success()
         return result
 

@@ -1,0 +1,143 @@
+"""Load or recompute: whether loading a stored prefix beats computing it again, per request.
+
+A hit is not always worth loading: a prefix that comes over a slow link (an S3 bucket across
+regions, a throttled Redis) can take longer than the engine needs to prefill it. ``CostModel``
+compares the two online:
+
+* each tier's latency and read bandwidth, measured by the tiered store on every call
+  (``LinkSpeed``);
+* the engine's prefill speed in tokens per second, measured by the adapter on steps that
+  computed a prefill (``observe_prefill``).
+
+``plan(...)`` takes how many leading chunks each tier holds (fastest tier first) and picks how
+many chunks to load so that load time plus the recompute of the rest is smallest, considering
+only tier boundaries (a prefix in the memory tier can be worth loading when the rest, in S3, is
+not). Until both sides are measured it loads (that is how a tier gets measured). ``policy``
+forces the answer: ``"always"`` loads every hit, ``"never"`` none. Every decision is counted in
+``kvstore_load_decisions_total{tier,decision}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstore.errors import ConfigError
+from kvstore.metrics.catalog import LOAD_DECISIONS, PREFILL_RATE
+from kvstore.stores.tiered.speed import LinkSpeed
+
+__all__ = ["CostModel", "LoadPlan", "POLICIES"]
+
+log = logging.getLogger("kvstore.cost")
+
+POLICIES = ("auto", "always", "never")
+_ALPHA = 0.2
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """How many leading chunks to load, and why."""
+
+    chunks: int
+    #: The tier the last loaded chunk comes from ("" when nothing is loaded).
+    tier: str
+    load_seconds: float | None
+    recompute_seconds: float | None
+
+    @property
+    def loads(self) -> bool:
+        return self.chunks > 0
+
+
+class CostModel:
+    """Online estimates and the decision; thread-safe. See the module docstring."""
+
+    def __init__(self, policy: str = "auto", *, margin: float = 1.0) -> None:
+        if policy not in POLICIES:
+            raise ConfigError(f"load policy {policy!r} is not accepted; use one of: {', '.join(POLICIES)}")
+        if not 0 < margin <= 100:
+            raise ConfigError(f"load margin={margin!r} must be in (0, 100]")
+        self.policy = policy
+        self.margin = margin
+        self._lock = threading.Lock()
+        self.prefill_rate: float | None = None  # tokens per second
+        self._last_choice: dict[str, bool] = {}
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine computed ``tokens`` prompt tokens in ``seconds``."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        with self._lock:
+            self.prefill_rate = rate if self.prefill_rate is None else (1 - _ALPHA) * self.prefill_rate + _ALPHA * rate
+            PREFILL_RATE.set(self.prefill_rate)
+
+    def recompute_seconds(self, tokens: int) -> float | None:
+        with self._lock:
+            return None if self.prefill_rate is None else tokens / self.prefill_rate
+
+    def plan(self, per_tier: Sequence[tuple[LinkSpeed, int]], chunk_tokens: Sequence[int],
+             chunk_bytes: int) -> LoadPlan:
+        """The chunks to load of a hit: ``per_tier`` is ``(tier speed, leading chunks it holds)``
+        fastest first; ``chunk_tokens[i]`` the tokens of chunk i; ``chunk_bytes`` one chunk's size."""
+        total = max((n for _, n in per_tier), default=0)
+        if total == 0:
+            return LoadPlan(0, "", None, None)
+        # Boundaries: chunk i comes from the first tier that holds it.
+        segments: list[tuple[LinkSpeed, int, int]] = []  # (tier, first chunk, end chunk)
+        covered = 0
+        for speed, n in per_tier:
+            if n > covered:
+                segments.append((speed, covered, n))
+                covered = n
+        hit_tokens = sum(chunk_tokens[:total])
+        full = self._plan_for(total, segments, chunk_bytes, hit_tokens, "")
+        if self.policy != "auto":
+            return self._count(full if self.policy == "always" else self._plan_for(0, segments, chunk_bytes,
+                                                                                   hit_tokens, full.tier))
+        if full.load_seconds is None or full.recompute_seconds is None:
+            return self._count(full)  # unmeasured: load, and so measure
+        best: LoadPlan | None = None
+        best_cost = 0.0
+        for end in [0] + [e for _, _, e in segments]:  # fewer chunks first
+            candidate = self._plan_for(end, segments, chunk_bytes, hit_tokens, full.tier)
+            cost = (candidate.load_seconds or 0.0) + (self.recompute_seconds(sum(chunk_tokens[end:total])) or 0.0)
+            # Loading more must be ``margin`` times better: ties and noise favour computing.
+            if best is None or cost * self.margin < best_cost:
+                best, best_cost = candidate, cost
+        assert best is not None
+        return self._count(best)
+
+    def _plan_for(self, chunks: int, segments: Sequence[tuple[LinkSpeed, int, int]], chunk_bytes: int,
+                  hit_tokens: int, hit_tier: str) -> LoadPlan:
+        """Loading the first ``chunks`` chunks: its time, and the recompute time of the whole hit."""
+        load: float | None = 0.0
+        tier = hit_tier
+        for speed, start, end in segments:
+            n = min(end, chunks) - start
+            if n <= 0:
+                break
+            seconds = speed.seconds_for(n * chunk_bytes)
+            load = None if load is None or seconds is None else load + seconds
+            tier = speed.tier
+        if not hit_tier:  # the whole hit: name the tier its last chunk comes from
+            tier = segments[-1][0].tier
+        return LoadPlan(chunks, tier, load, self.recompute_seconds(hit_tokens))
+
+    def _count(self, plan: LoadPlan) -> LoadPlan:
+        decision = "load" if plan.loads else "recompute"
+        tier = plan.tier or "none"
+        LOAD_DECISIONS.inc(tier=tier, decision=decision)
+        with self._lock:
+            changed = self._last_choice.get(tier) != plan.loads
+            self._last_choice[tier] = plan.loads
+        if changed:
+            log.info("kvstore: %s hits from tier %s (load %s s vs recompute %s s)", decision, tier,
+                     _fmt(plan.load_seconds), _fmt(plan.recompute_seconds))
+        return plan
+
+
+def _fmt(value: float | None) -> str:
+    return "?" if value is None else f"{value:.4f}"
