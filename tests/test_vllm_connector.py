@@ -246,7 +246,10 @@ def test_chunked_prefill_preemption_and_local_prefix_hits(model_dir, redis_serve
     actions = [gen(P_E, LONG_TOKENS), gen([P_D]), gen([P_D_PREFIX]), {"metrics": True}]
     ref = run_engine({"model": model_dir, "connector": None, "engine": CHUNKED_ENGINE, "actions": actions})
     ref_e, ref_d, ref_prefix = (r["tokens"] for r in ref["results"][:3])
-    conn = {"store": ["memory://", f"redis://127.0.0.1:{redis_server.port}/0?prefix=chunked:"], "chunk_tokens": 128}
+    # Under chunked prefill, a lookup answered a step late changes which requests share a batch,
+    # and with it bf16 rounding: a long lookup_wait keeps the schedule the reference's.
+    conn = {"store": ["memory://", f"redis://127.0.0.1:{redis_server.port}/0?prefix=chunked:"], "chunk_tokens": 128,
+            "lookup_wait": "400ms"}
     e1 = run_engine({"model": model_dir, "connector": conn, "engine": CHUNKED_ENGINE,
                      "actions": [gen(P_E, LONG_TOKENS), gen([P_D]), {"metrics": True}]})
     assert e1["results"][2]["metrics"].get("vllm:num_preemptions", 0) >= 1

@@ -77,9 +77,10 @@ class VLLMConnectorOptions:
         help="'auto' loads a hit only when loading it (measured tier latency and bandwidth) is "
         "faster than recomputing it (measured prefill speed), per tier; 'always' and 'never' force it.")
     lookup_wait: float = option(
-        0.002, kind="duration",
-        help="How long a lookup may hold the scheduler before it answers 'ask again later' (a "
-        "memory or nearby Redis tier answers within it, sparing the request a step).")
+        0.005, kind="duration",
+        help="How long a request's first lookup may hold the scheduler before it answers 'ask again "
+        "later' (a memory or nearby Redis tier answers within it: the request is scheduled as "
+        "without the connector; a slower answer delays it by a step, which changes batching).")
     lookup_timeout: float = option(
         0.5, kind="duration",
         help="A lookup not answered within this is a miss (a slow or frozen tier never holds a request longer).")

@@ -183,7 +183,8 @@ class SchedulerSide:
         if job is None or job.num_tokens != len(tokens):
             future = self._pool.submit(self._lookup, list(tokens), limit, request.cache_salt or "")
             job = self._lookups[req_id] = _Lookup(len(tokens), self._clock(), future)
-        if not job.future.done():
+            # Only the first ask waits (a nearby tier answers within it and the schedule is unchanged);
+            # later asks only look, so a frozen tier never costs a step more than once.
             try:
                 job.future.result(timeout=self.opts.lookup_wait)
             except Exception:  # noqa: BLE001 - not answered yet (or failed: handled below)
