@@ -22,6 +22,8 @@ COMMANDS = (
     "kvstore.cli.selftest",
     "kvstore.cli.browse",
     "kvstore.cli.clean",
+    "kvstore.cli.copy",
+    "kvstore.cli.bench",
     "kvstore.cli.warm",
     "kvstore.cli.demo",
 )
