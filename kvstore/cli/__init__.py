@@ -24,6 +24,7 @@ COMMANDS = (
     "kvstore.cli.clean",
     "kvstore.cli.copy",
     "kvstore.cli.bench",
+    "kvstore.cli.devstack",
     "kvstore.cli.warm",
     "kvstore.cli.demo",
 )
