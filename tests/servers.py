@@ -1,4 +1,5 @@
-"""Real servers for tests and benchmarks: ``redis-server``, a Redis Cluster, ``rclone serve s3``.
+"""Real servers for tests and benchmarks: ``redis-server`` (or ``valkey-server``), a Redis
+Cluster, ``rclone serve s3``.
 
 Each server runs as a child process on free loopback ports with its data in a temporary
 directory, and can be stopped and started again on the same port (fault tests). Nothing here
@@ -140,17 +141,24 @@ class _Process:
             return ""
 
 
+#: Server programs that speak the Redis protocol and take redis-server's flags.
+REDIS_FLAVORS = {"redis": "redis-server", "valkey": "valkey-server"}
+
+
 class RedisServer:
-    """A ``redis-server`` on a free loopback port (and a Unix socket), no persistence.
+    """A ``redis-server`` (``flavor="valkey"``: a ``valkey-server``) on a free loopback port (and
+    a Unix socket), no persistence.
 
     ``url`` is ``redis://127.0.0.1:PORT``; ``unix_url`` is the socket. ``stop()`` kills it
     (SIGKILL by default: an outage, not a shutdown); ``start()`` brings it back, empty.
     """
 
-    def __init__(self, *extra_args: str, port: int | None = None, cluster: bool = False) -> None:
-        self.binary = find_binary("redis-server")
+    def __init__(self, *extra_args: str, port: int | None = None, cluster: bool = False,
+                 flavor: str = "redis") -> None:
+        self.flavor = flavor
+        self.binary = find_binary(REDIS_FLAVORS[flavor])
         if self.binary is None:
-            raise MissingBinary("redis-server")
+            raise MissingBinary(REDIS_FLAVORS[flavor])
         self.port = port or free_port(also_free_at=10000 if cluster else 0)
         self.dir = tempfile.mkdtemp(prefix=f"kvstore-redis-{self.port}-")
         self.socket_path = os.path.join(self.dir, "redis.sock")
@@ -183,10 +191,10 @@ class RedisServer:
             return
         self._proc.spawn()
         try:
-            wait_until(self._ping, 10, f"redis-server on port {self.port}")
+            wait_until(self._ping, 10, f"{REDIS_FLAVORS[self.flavor]} on port {self.port}")
         except TimeoutError:
             self._proc.kill()
-            raise RuntimeError(f"redis-server failed to start:\n{self._proc.log_tail()}") from None
+            raise RuntimeError(f"{REDIS_FLAVORS[self.flavor]} failed to start:\n{self._proc.log_tail()}") from None
 
     def _ping(self) -> bool:
         with self.client(socket_connect_timeout=0.2) as c:

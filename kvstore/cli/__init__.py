@@ -22,6 +22,9 @@ COMMANDS = (
     "kvstore.cli.selftest",
     "kvstore.cli.browse",
     "kvstore.cli.clean",
+    "kvstore.cli.copy",
+    "kvstore.cli.bench",
+    "kvstore.cli.devstack",
     "kvstore.cli.warm",
     "kvstore.cli.demo",
 )

@@ -19,6 +19,7 @@ __all__ = [
     "TOKENS_SAVED",
     "CORRUPT",
     "LATENCY",
+    "LOAD_DECISIONS",
     "BYTES_READ",
     "BYTES_WRITTEN",
     "ERRORS",
@@ -47,6 +48,8 @@ TOKENS_LOADED = REGISTRY.counter("kvstore_tokens_loaded_total", "Tokens whose KV
 TOKENS_SAVED = REGISTRY.counter("kvstore_tokens_saved_total", "Tokens whose KV was written to the store.")
 CORRUPT = REGISTRY.counter("kvstore_corrupt_records_total", "Records rejected by validation, by reason.", ("reason",))
 LATENCY = REGISTRY.histogram("kvstore_op_seconds", "Latency of cache operations.", ("op",))
+LOAD_DECISIONS = REGISTRY.counter("kvstore_load_decisions_total", "Load-or-recompute decisions by tier.",
+                                  ("tier", "decision"))
 
 # -- tiers: bytes, errors, the circuit breaker, the write queues ----------------------------------
 BYTES_READ = REGISTRY.counter("kvstore_bytes_read_total", "Record bytes read, by tier.", ("tier",))

@@ -62,6 +62,11 @@ class Counter(_Metric):
     def total(self) -> float:
         return sum(self._values.values())
 
+    def samples(self) -> dict[tuple[str, ...], float]:
+        """A copy of every series: label values (in ``labelnames`` order) -> value."""
+        with self._lock:
+            return dict(self._values)
+
     def render(self) -> list[str]:
         with self._lock:
             items = sorted(self._values.items())
@@ -101,6 +106,12 @@ class Histogram(_Metric):
     def count(self, **labels: str) -> int:
         d = self._data.get(_label_key(self.labelnames, labels))
         return 0 if d is None else int(d[-1])
+
+    def samples(self) -> dict[tuple[str, ...], tuple[list[float], float, int]]:
+        """A copy of every series: label values -> (per-bucket counts, not cumulative, one per
+        ``buckets`` entry; sum; count). Observations above the last bucket are in count only."""
+        with self._lock:
+            return {k: (list(d[:-2]), float(d[-2]), int(d[-1])) for k, d in self._data.items()}
 
     def render(self) -> list[str]:
         out = self.header()
@@ -142,6 +153,18 @@ class Registry:
     def histogram(self, name: str, help: str, labelnames: Iterable[str] = (),
                   buckets: tuple[float, ...] = DEFAULT_BUCKETS) -> Histogram:
         return self._get(Histogram, name, help, tuple(labelnames), buckets=buckets)
+
+    def collect(self) -> list[Counter | Gauge | Histogram]:
+        """Every registered metric, by name (for exporters that republish them)."""
+        with self._lock:
+            metrics = list(self._metrics.values())
+        return [m for m in sorted(metrics, key=lambda m: m.name) if isinstance(m, (Counter, Histogram))]
+
+    def get(self, name: str) -> Counter | Gauge | Histogram | None:
+        """The metric registered as ``name``, or ``None``."""
+        with self._lock:
+            m = self._metrics.get(name)
+        return m if isinstance(m, (Counter, Histogram)) else None
 
     def render(self) -> str:
         with self._lock:

@@ -1,0 +1,218 @@
+"""``kvstore cp --from URL --to URL [--namespace ID]``: copy records between stores, verified.
+
+The way to warm a cache offline into a file store or a staging Redis and ship it to production
+S3 (or back). Contract:
+
+* Only kvstore records of this format version are copied (keys ``kvs<v>/<namespace>/<digest>``);
+  other keys are counted and left alone, like every store tool.
+* **Verified**: every record is decoded in full (header, token ids, checksum) and checked to
+  belong under its key before it is written; a bad one is counted and never copied. After each
+  batch, the destination's sizes of the written keys must equal what was sent.
+* **Resumable**: a record the destination already holds with the same size is skipped, so
+  running the same command again after an interruption copies only what is missing.
+* The destination is probed before anything is read: unreachable, it is one line and exit 2.
+* Progress: a bar on a terminal (tqdm when installed), ``--progress lines`` prints one line per
+  batch; ``--json`` prints a summary document. Exit 0 when every record was copied or already
+  there, 1 when some were skipped as invalid or failed to verify, 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from kvstore.cli import tiers as tier_io
+from kvstore.cli.clean import gc_verdict
+from kvstore.cli.tiers import Tier, batched, emit_json, human_bytes, iter_tier_keys, unavailable_as_error
+from kvstore.config import redact_url
+from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.keys import FORMAT_VERSION, namespace_prefix, split_key
+from kvstore.stores import open_store
+
+__all__ = ["register", "cmd_cp", "CopySummary"]
+
+_PROBE_KEY = "kvstore-cp-probe"
+
+
+@dataclass
+class CopySummary:
+    source: str
+    destination: str
+    records: int = 0
+    copied: int = 0
+    copied_bytes: int = 0
+    already_there: int = 0
+    invalid: int = 0
+    vanished: int = 0
+    verify_failed: int = 0
+    foreign_keys: int = 0
+    seconds: float = 0.0
+    interrupted: bool = False
+
+
+class _Progress:
+    def __init__(self, mode: str, total: int) -> None:
+        self.mode, self.total, self.bar = mode, total, None
+        if mode == "bar":
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="rec", dynamic_ncols=True, file=sys.stderr)
+            except ImportError:
+                self.mode = "lines"
+
+    def update(self, n: int, s: CopySummary) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+            self.bar.set_postfix(copied=s.copied, skipped=s.already_there, bytes=human_bytes(s.copied_bytes),
+                                 refresh=False)
+        elif self.mode == "lines":
+            done = s.copied + s.already_there + s.invalid + s.vanished + s.verify_failed
+            print(f"cp: {done}/{self.total} records: {s.copied} copied ({human_bytes(s.copied_bytes)}), "
+                  f"{s.already_there} already there, {s.invalid} invalid", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _open(url: str, role: str) -> Tier:
+    try:
+        return Tier(0, url, open_store(url))
+    except (ConfigError, StoreUnavailableError):
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"{role} URL {redact_url(url)!r} is not valid: {exc}") from exc
+
+
+def _probe(tier: Tier, role: str) -> None:
+    try:
+        with unavailable_as_error(tier.name):
+            tier.store.size_many([_PROBE_KEY])
+    except StoreUnavailableError as exc:
+        raise StoreUnavailableError(f"{role} {tier.name} is unreachable: {exc}") from None
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    if args.batch < 1:
+        raise ConfigError(f"--batch {args.batch} must be at least 1")
+    prefix = namespace_prefix(args.namespace) if args.namespace else ""
+    if redact_url(args.source) == redact_url(args.dest):
+        raise ConfigError("--from and --to name the same store")
+    src = _open(args.source, "source")
+    try:
+        dst = _open(args.dest, "destination")
+    except BaseException:
+        src.store.close()
+        raise
+    summary = CopySummary(src.name, dst.name)
+    start = time.monotonic()
+    bar: _Progress | None = None
+    try:
+        _probe(dst, "destination")
+        keys: list[str] = []
+        for key in iter_tier_keys(src, prefix):
+            parts = split_key(key)
+            if parts is None or parts[0] != FORMAT_VERSION:
+                summary.foreign_keys += 1
+            else:
+                keys.append(key)
+        summary.records = len(keys)
+        mode = args.progress
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() and not args.json else "none"
+        bar = _Progress(mode, len(keys))
+        for batch in batched(sorted(keys), args.batch):
+            _copy_batch(src, dst, batch, summary)
+            bar.update(len(batch), summary)
+        with unavailable_as_error(dst.name):
+            if not dst.store.flush(args.flush_timeout):
+                raise StoreUnavailableError(f"destination {dst.name}: writes still pending after "
+                                            f"{args.flush_timeout:g}s")
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    finally:
+        if bar is not None:
+            bar.close()
+        summary.seconds = round(time.monotonic() - start, 3)
+        for tier in (src, dst):
+            try:
+                tier.store.close()
+            except Exception:  # noqa: BLE001 - closing must not hide the command's own outcome
+                pass
+    _report(summary, args.json)
+    if summary.interrupted:
+        return 130
+    return 1 if summary.invalid or summary.verify_failed else 0
+
+
+def _copy_batch(src: Tier, dst: Tier, batch: list[str], s: CopySummary) -> None:
+    src_sizes = tier_io.sizes(src, batch)
+    dst_sizes = tier_io.sizes(dst, batch)
+    todo = []
+    for key, have, there in zip(batch, src_sizes, dst_sizes):
+        if have is None:
+            s.vanished += 1  # evicted or expired while we listed
+        elif there == have:
+            s.already_there += 1
+        else:
+            todo.append(key)
+    if not todo:
+        return
+    with unavailable_as_error(src.name):
+        values = src.store.get_many(todo)
+    now = time.time()
+    good: list[tuple[str, Any]] = []
+    for key, value in zip(todo, values):
+        if value is None:
+            s.vanished += 1
+        elif gc_verdict(key, value, now=now, older_than=None, verify=True) is not None:
+            s.invalid += 1
+        else:
+            good.append((key, value))
+    del values
+    if not good:
+        return
+    with unavailable_as_error(dst.name):
+        dst.store.put_many(good)
+        dst.store.flush(30.0)
+        written = dst.store.size_many([k for k, _ in good])
+    for (_key, value), size in zip(good, written):
+        if size == len(value):
+            s.copied += 1
+            s.copied_bytes += len(value)
+        else:
+            s.verify_failed += 1
+
+
+def _report(s: CopySummary, as_json: bool) -> None:
+    if as_json:
+        emit_json(asdict(s))
+        return
+    rate = s.copied_bytes / s.seconds / 1e9 if s.seconds > 0 else 0.0
+    print(f"{s.source} -> {s.destination}: {s.records} records; copied {s.copied} "
+          f"({human_bytes(s.copied_bytes)}, {rate:.2f} GB/s), {s.already_there} already there, "
+          f"{s.invalid} invalid (not copied), {s.vanished} vanished, {s.verify_failed} failed verification "
+          f"in {s.seconds:.1f} s")
+    if s.foreign_keys:
+        print(f"{s.source}: left {s.foreign_keys} keys that are not kvstore records of format v{FORMAT_VERSION}")
+    if s.interrupted:
+        print("cp: interrupted; run the same command again to copy the rest", file=sys.stderr)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("cp", help="copy (and verify) records from one store to another; resumable")
+    p.add_argument("--from", dest="source", required=True, metavar="URL", help="the store to read")
+    p.add_argument("--to", dest="dest", required=True, metavar="URL", help="the store to write")
+    p.add_argument("--namespace", metavar="ID", help="only this namespace (default: every record)")
+    p.add_argument("--batch", type=int, default=32, metavar="N",
+                   help="records per round trip (bounds memory: N x record size; default 32)")
+    p.add_argument("--flush-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds to wait at the end for the destination's pending writes (default 60)")
+    p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
+                   help="progress display (auto: a bar on a terminal; lines: one line per batch)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary (for scripts)")
+    p.set_defaults(func=cmd_cp)

