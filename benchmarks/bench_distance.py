@@ -32,10 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import servers
 from common import machine
 from proxy import ShapedProxy
-from rawredis import RawRedis
 
 from kvstore.buffers import BufferPool
 from kvstore.stores.redis import RedisStore
+from kvstore.testing.rawredis import RawRedis
 
 N, SIZE = 16, 1 << 20
 

@@ -38,13 +38,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
 from common import machine
-from rawredis import RawRedis
 
 from kvstore.keys import Namespace
 from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
 from kvstore.stores import TieredStore
 from kvstore.stores.redis import RedisStore
+from kvstore.testing.rawredis import RawRedis
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 256, 2048, 256
 

@@ -236,7 +236,7 @@ def test_openai_server_metrics_show_kvstore_after_a_hit(tmp_path):
 
     model = vllm_model.write_model(tmp_path / "model")
     port = free_port()
-    kv = {"kv_connector": "KVStoreStatsConnector", "kv_connector_module_path": "vllm_stats_connector",
+    kv = {"kv_connector": "KVStoreConnector",
           "kv_role": "kv_both", "kv_connector_extra_config": {"store": [f"file://{tmp_path / 'kv'}"],
                                                               "chunk_tokens": 64}}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), VLLM_CPU_KVCACHE_SPACE="1")

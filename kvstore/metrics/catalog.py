@@ -31,7 +31,6 @@ __all__ = [
     "TIER_BANDWIDTH",
     "EVICTIONS",
     "WRITE_DROPS",
-    "LOAD_DECISIONS",
     "SAVE_DROPS",
     "PREFILL_RATE",
     "WARM_PROMPTS",

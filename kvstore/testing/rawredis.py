@@ -106,6 +106,9 @@ class RawRedis:
             raise error
         return out
 
+    def flushall(self) -> None:
+        self._call(b"FLUSHALL")
+
     def delete(self, *keys: str | bytes) -> int:
         return int(self._call(b"DEL", *(_key_bytes(k) for k in keys))) if keys else 0
 

@@ -43,6 +43,7 @@ from kvstore.connectors.vllm.facts import check_vllm_version, engine_facts
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.connectors.vllm.options import parse_options
 from kvstore.connectors.vllm.scheduler import SchedulerSide
+from kvstore.connectors.vllm.stats import PublishesKVStoreStats
 from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.stores import shared
 
@@ -62,8 +63,9 @@ __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
 log = logging.getLogger("kvstore.vllm")
 
 
-class KVStoreConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    """vLLM V1 connector over kvstore; see the module docstring."""
+class KVStoreConnector(PublishesKVStoreStats, KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM V1 connector over kvstore; see the module docstring. kvstore's metrics reach vLLM's
+    own ``/metrics`` through its stats API (``PublishesKVStoreStats``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -303,7 +303,7 @@ class SchedulerSide:
         had_saves = req_id in self._planned_saves
         self._planned_saves.discard(req_id)
         for table in (self._requests, self._lookups, self._local_hit, self._pending, self._saved_upto):
-            table.pop(req_id, None)  # type: ignore[attr-defined]
+            table.pop(req_id, None)
         self._failed.discard(req_id)
         # A background load still running keeps its entry until the worker reports it (vLLM keeps
         # the blocks until then). With background saves, the worker may still be gathering this
