@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
 from common import machine
-from proxy import ShapedProxy
 
 from kvstore.buffers import BufferPool
 from kvstore.stores.redis import RedisStore
+from kvstore.testing.proxy import ShapedProxy
 from kvstore.testing.rawredis import RawRedis
 
 N, SIZE = 16, 1 << 20

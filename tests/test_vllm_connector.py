@@ -50,9 +50,10 @@ CHUNKED_ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 64, "kv_cache
                   "enable_prefix_caching": True, "disable_log_stats": False}
 
 
-def run_engine(spec: dict, *, multiprocess: bool = False, timeout: float = 240, stdin_hook=None) -> dict:
+def run_engine(spec: dict, *, multiprocess: bool = False, timeout: float = 240, stdin_hook=None,
+               env: dict | None = None) -> dict:
     """Run tests/vllm_worker.py with ``spec``; returns its RESULT json (asserts it finished)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     if not multiprocess:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -12,6 +12,14 @@ connector), ``role`` (vLLM kv_role, default kv_both), ``engine`` (extra ``LLM(..
 * ``{"metrics": true}``: ``{"metrics": {name: value}}`` of vLLM's counters and gauges (needs
   ``"engine": {"disable_log_stats": false}``).
 * ``{"wait": "NAME"}``: print ``WAITING NAME`` and block until a line arrives on stdin.
+* ``{"steps": [[token ids], ...], "max_tokens": 16, "abort": [i, ...], "abort_after": k}``: add
+  the prompts to the engine and step it by hand, aborting requests ``abort`` after ``k`` steps
+  (and printing ``WAITING NAME`` after ``pause_after`` steps, ``"pause": "NAME"``);
+  ``{"tokens": [[...] or null for aborted], "steps": n, "seconds": s}``.
+* ``{"mixed": {"streams": [[ids]...], "stream_tokens": n, "arrivals": [[ids]...], "arrival_tokens": m,
+  "first_arrival": k, "every": j}}``: decode streams run while requests arrive, one every ``j``
+  steps from step ``k``; ``{"added": {id: t}, "token_times": {id: [t, ...]}, "tokens": {id: [...]}}``
+  (seconds from the start; benchmarks/bench_vllm_mixed.py).
 
 The last line printed is ``RESULT <json>`` with ``{"results": [...], "startup": s}``. Each
 engine runs in its own process (vLLM needs a ``__main__`` guard and cannot host two engines).
@@ -65,12 +73,77 @@ def main(spec: dict) -> dict:
                 if getattr(m, "value", None) is not None and isinstance(m.value, (int, float)):
                     values[m.name] = values.get(m.name, 0.0) + m.value
             results.append({"metrics": values})
+        elif action.get("metrics_kvstore"):  # kvstore's own counters (in-process engines only)
+            from kvstore.metrics.catalog import LOAD_DECISIONS
+
+            results.append({"kvstore": {"/".join(k): v for k, v in sorted(LOAD_DECISIONS._values.items())}})
+        elif "mixed" in action:
+            results.append(_mixed(llm, action["mixed"], SamplingParams))
+        elif "steps" in action:
+            results.append(_step_by_hand(llm, action, SamplingParams))
         elif action.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
         elif "wait" in action:
             print(f"WAITING {action['wait']}", flush=True)
             sys.stdin.readline()
     return {"results": results, "startup": startup, "pid": os.getpid()}
+
+
+def _mixed(llm, spec: dict, sampling_params) -> dict:
+    engine = llm.llm_engine
+    start = time.perf_counter()
+    added: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    tokens: dict[str, list[int]] = {}
+
+    def add(rid: str, ids: list[int], n: int) -> None:
+        params = sampling_params(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+        added[rid] = time.perf_counter() - start
+        times[rid] = []
+
+    for i, ids in enumerate(spec["streams"]):
+        add(f"stream-{i}", ids, spec["stream_tokens"])
+    arrivals = list(enumerate(spec["arrivals"]))
+    step = 0
+    while engine.has_unfinished_requests() or arrivals:
+        if arrivals and step >= spec["first_arrival"] + arrivals[0][0] * spec["every"]:
+            i, ids = arrivals.pop(0)
+            add(f"arrival-{i}", ids, spec["arrival_tokens"])
+        outs = engine.step()
+        now = time.perf_counter() - start
+        for out in outs:
+            got = list(out.outputs[0].token_ids)
+            times[out.request_id] += [now] * (len(got) - len(times[out.request_id]))
+            tokens[out.request_id] = got
+        step += 1
+    return {"added": added, "token_times": times, "tokens": tokens, "steps": step}
+
+
+def _step_by_hand(llm, action: dict, sampling_params) -> dict:
+    engine = llm.llm_engine
+    params = sampling_params(temperature=0, max_tokens=action.get("max_tokens", 16), ignore_eos=True,
+                             detokenize=False)
+    ids = [f"req-{i}" for i in range(len(action["steps"]))]
+    for rid, tokens in zip(ids, action["steps"]):
+        engine.add_request(rid, {"prompt_token_ids": tokens}, params)
+    aborted = {ids[i] for i in action.get("abort", [])}
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    t = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if steps == action.get("abort_after", -1) and aborted:
+            engine.abort_request(sorted(aborted))
+        if steps == action.get("pause_after", -1):
+            print(f"WAITING {action.get('pause', 'pause')}", flush=True)
+            sys.stdin.readline()
+        for out in engine.step():
+            if out.finished and out.request_id not in aborted:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps > 100000:
+            raise RuntimeError("the engine never went idle")
+    return {"tokens": [tokens.get(r) for r in ids], "steps": steps, "seconds": time.perf_counter() - t}
 
 
 if __name__ == "__main__":

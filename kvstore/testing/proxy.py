@@ -5,7 +5,7 @@ forwards every connection to ``127.0.0.1:target_port``. Each direction of each c
 delivers a byte no sooner than ``delay`` seconds after it arrived and no faster than ``rate``
 bytes per second, so a request/response costs one round trip of ``2 * delay`` plus its bytes
 over the cap, like a real network link (and unlike a proxy that sleeps per packet, which would
-also cut throughput). Benchmarks only; loopback only.
+also cut throughput). For tests and benchmarks; loopback only.
 """
 
 from __future__ import annotations

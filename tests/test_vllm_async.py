@@ -1,0 +1,143 @@
+"""The vLLM connector's background paths on real vLLM CPU engines: loads that run while the
+engine steps, a tier that freezes or is corrupted under them, aborts mid-load, tensor parallelism.
+
+Every engine runs in its own process (``tests/vllm_worker.py``); the strongest check throughout
+is that greedy tokens equal those of an engine without the connector. Slow links come from
+``kvstore.testing.proxy.ShapedProxy`` in front of a real ``redis-server``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from test_vllm_connector import MAX_TOKENS, gen, run_engine  # noqa: F401 - the shared engine runner
+from kvstore.stores import open_store
+from kvstore.testing.damage import flip_byte
+from kvstore.testing.proxy import ShapedProxy
+import vllm_model
+
+pytestmark = pytest.mark.vllm
+
+P_S = vllm_model.prompt(21, 300)
+P_T = vllm_model.prompt(22, 260)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(vllm_model.write_model(tmp_path_factory.mktemp("tiny-llama-async")))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> dict:
+    out = run_engine({"model": model_dir, "connector": None, "engine": {"enable_prefix_caching": False},
+                      "actions": [gen([P_S]), gen([P_T])]})
+    return {"S": out["results"][0]["tokens"][0], "T": out["results"][1]["tokens"][0]}
+
+
+def _fill(model_dir: str, url: str, prompts) -> None:
+    run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64}, "role": "kv_producer",
+                "actions": [gen([p]) for p in prompts]})
+
+
+def test_a_hit_loads_in_the_background_with_identical_tokens(model_dir, reference, redis_server):
+    url = f"redis://127.0.0.1:{redis_server.port}/0?prefix=bg:"
+    _fill(model_dir, url, [P_S])
+    out = run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64},
+                      "actions": [{"steps": [P_S, P_T], "max_tokens": MAX_TOKENS}, gen([P_S])]})
+    steps, again = out["results"]
+    assert steps["tokens"] == [reference["S"], reference["T"]]
+    assert again["tokens"][0] == reference["S"] and again["cached"][0] == 288  # vLLM's own cache, after the load
+
+
+def test_redis_frozen_during_a_background_load_recomputes_without_hanging(model_dir, reference,
+                                                                            redis_server_factory):
+    server = redis_server_factory()
+    proxy = ShapedProxy(server.port, rate=400e3)  # ~1.2 MB of KV takes ~3 s: the freeze lands mid-load
+    url = f"redis://127.0.0.1:{proxy.port}/0?prefix=frozen:&timeout=500ms&connect_timeout=500ms"
+    direct = f"redis://127.0.0.1:{server.port}/0?prefix=frozen:"
+    try:
+        _fill(model_dir, direct, [P_S])
+
+        def freeze(_name: str) -> None:
+            time.sleep(0.5)
+            server.stop(signal.SIGSTOP)
+
+        start = time.monotonic()
+        out = run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64,
+                                                            "flush_timeout": "1s", "lookup_timeout": "5s"},
+                          "actions": [{"steps": [P_S], "max_tokens": MAX_TOKENS, "pause_after": 2,
+                                       "pause": "freeze"}]}, stdin_hook=freeze, timeout=180)
+        elapsed = time.monotonic() - start
+    finally:
+        server.stop(signal.SIGCONT)
+        proxy.close()
+    assert out["results"][0]["tokens"] == [reference["S"]]
+    assert elapsed < 150  # a hang guard, not a timing check: the engine went idle on its own
+
+
+def test_an_abort_during_a_background_load_frees_everything(model_dir, reference, redis_server_factory):
+    server = redis_server_factory()
+    proxy = ShapedProxy(server.port, rate=200e3)  # the load of P_S takes several seconds
+    url = f"redis://127.0.0.1:{proxy.port}/0?prefix=abort:"
+    try:
+        _fill(model_dir, f"redis://127.0.0.1:{server.port}/0?prefix=abort:", [P_S])
+        out = run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64, "lookup_timeout": "5s"},
+                          "engine": {"enable_prefix_caching": False},
+                          "actions": [{"steps": [P_S, P_T], "max_tokens": MAX_TOKENS, "abort": [0], "abort_after": 3},
+                                      gen([P_T]), gen([P_S])]}, timeout=240)
+    finally:
+        proxy.close()
+    steps, t_again, s_again = out["results"]
+    assert steps["tokens"] == [None, reference["T"]]  # the aborted one is gone; the engine went idle
+    assert t_again["tokens"][0] == reference["T"] and s_again["tokens"][0] == reference["S"]
+
+
+def test_a_corrupt_record_is_recomputed_and_the_cache_heals(model_dir, reference, redis_server):
+    url = f"redis://127.0.0.1:{redis_server.port}/0?prefix=heal:"
+    _fill(model_dir, url, [P_T])
+    store = open_store(url)
+    keys = sorted(store.iter_keys())
+    assert len(keys) >= 4
+    from kvstore.record import read_header
+
+    by_start = sorted(keys, key=lambda k: read_header(store.get(k)).start)
+    flip_byte(store, by_start[1], offset=-7)  # chunk 1 (tokens 64-128) damaged
+    first = run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64},
+                        "actions": [gen([P_T])]})
+    assert first["results"][0]["tokens"][0] == reference["T"]
+    # The recompute's saves reached the store: a fresh engine hits the whole prefix again.
+    second = run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64},
+                         "actions": [gen([P_T])]})
+    assert second["results"][0]["tokens"][0] == reference["T"]
+    assert second["results"][0]["cached"][0] == 256
+    store.close()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel ranks need two cores")
+def test_tensor_parallel_two_ranks_save_and_load_their_own_shards(model_dir, redis_server):
+    """TP=2 on vLLM CPU (VLLM_CPU_OMP_THREADS_BIND="0|1"): each rank stores its own KV-head
+    shard; a TP=2 reader hits what a TP=2 writer stored, with the tokens of TP=2 without the
+    connector (compare within one TP size: the all-reduce order changes bf16 rounding); a TP=1
+    reader does not load TP=2 shards."""
+    url = f"redis://127.0.0.1:{redis_server.port}/0?prefix=tp2:"
+    tp2 = {"tensor_parallel_size": 2, "enable_prefix_caching": False}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    ref = run_engine({"model": model_dir, "connector": None, "engine": tp2, "actions": [gen([P_S])]},
+                     multiprocess=True, env=env, timeout=300)
+    write = run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64}, "engine": tp2,
+                        "actions": [gen([P_S])]}, multiprocess=True, env=env, timeout=300)
+    store = open_store(url)
+    namespaces = {k.split("/")[1] for k in store.iter_keys()}
+    store.close()
+    assert len(namespaces) == 2  # one namespace per rank's shard
+    read = run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64}, "engine": tp2,
+                       "actions": [gen([P_S])]}, multiprocess=True, env=env, timeout=300)
+    assert write["results"][0]["tokens"] == ref["results"][0]["tokens"]
+    assert read["results"][0]["tokens"] == ref["results"][0]["tokens"] and read["results"][0]["cached"][0] == 288
+    tp1 = run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64},
+                      "engine": {"enable_prefix_caching": False}, "actions": [gen([P_S])]})
+    assert tp1["results"][0]["cached"][0] == 0
