@@ -10,8 +10,15 @@ Large values go out without being copied and GET replies are received straight i
 their final size (``hooks``: the parts of redis-py this relies on).
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
-``StoreUnavailableError`` raised from it; a missing key is ``None``. No network I/O happens in
-the constructor: a store built while Redis is down works once Redis is back.
+``StoreUnavailableError`` raised from it (``StoreTimeoutError`` when a deadline expired); a
+missing key is ``None``. No network I/O happens in the constructor: a store built while Redis
+is down works once Redis is back.
+
+Deadlines: reads, lookups and deletes run on one client (socket timeout ``timeout``), writes on
+another with its own connections (``write_timeout``), so a background write to a slow server
+never holds a connection or a deadline an engine's read needs. A command is retried at once
+after a connection error only (a stale pooled socket), never after a timeout: one call to a
+frozen server costs at most ``deadline`` = ``connect_timeout + timeout``.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvstore.config import redact_url
-from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import Buffer, Store, Value
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import RedisConfig
@@ -54,6 +61,7 @@ class _RedisStoreBase(Store):
         self._prefix = config.prefix
         self._px = int(config.ttl * 1000) or None
         self._client: Any = None
+        self._write_client: Any = None
         self._client_lock = threading.Lock()
         self._closed = False
 
@@ -66,21 +74,22 @@ class _RedisStoreBase(Store):
         return cls(config)
 
     # -- subclasses: how to build the client --------------------------------------------------------
-    def _make_client(self) -> Any:
+    def _make_client(self, timeout: float) -> Any:
+        """A client whose sockets time out after ``timeout`` (reads and writes get one each)."""
         raise NotImplementedError
 
     def _direct_pool(self) -> Any:
         """The pool whose connections can serve any key (GETs read directly); None in a cluster."""
         return None
 
-    def _connection_kwargs(self) -> dict[str, Any]:
+    def _connection_kwargs(self, timeout: float) -> dict[str, Any]:
         c = self.config
         kwargs: dict[str, Any] = {
             "username": c.username or None, "password": c.password or None,
-            "socket_timeout": c.timeout, "socket_connect_timeout": c.connect_timeout,
+            "socket_timeout": timeout, "socket_connect_timeout": c.connect_timeout,
             "max_connections": c.max_connections, "socket_read_size": _READ_SIZE,
             # Wait for a pooled connection (bounded), instead of failing when all are busy.
-            "connection_pool_class": redis.BlockingConnectionPool, "timeout": c.connect_timeout + c.timeout,
+            "connection_pool_class": redis.BlockingConnectionPool, "timeout": c.connect_timeout + timeout,
         }
         if c.tls:
             kwargs.update(connection_class=hooks.SSLConnection, ssl_ca_certs=c.ca_certs or None,
@@ -92,17 +101,35 @@ class _RedisStoreBase(Store):
 
     @property
     def _redis(self) -> Any:
+        """The client of reads, lookups and deletes (the engine's critical path)."""
         client = self._client
         if client is None:
-            with self._client_lock:
-                if self._closed:
-                    raise StoreUnavailableError(f"{self.config.safe_url()} is closed")
-                if self._client is None:
-                    hooks.check_redis_py()
-                    with self._errors():  # a cluster client asks the nodes for slots right away
-                        self._client = self._make_client()
-                client = self._client
+            client = self._connect("_client", self.config.timeout)
         return client
+
+    @property
+    def _redis_writes(self) -> Any:
+        """The client of writes: its own connections, ``write_timeout``."""
+        client = self._write_client
+        if client is None:
+            client = self._connect("_write_client", self.config.write_timeout)
+        return client
+
+    def _connect(self, attr: str, timeout: float) -> Any:
+        with self._client_lock:
+            if self._closed:
+                raise StoreUnavailableError(f"{self.config.safe_url()} is closed")
+            if getattr(self, attr) is None:
+                hooks.check_redis_py()
+                with self._errors():  # a cluster client asks the nodes for slots right away
+                    setattr(self, attr, self._make_client(timeout))
+            return getattr(self, attr)
+
+    def _retry(self) -> Retry:
+        # Retried at once after a connection error only (a pooled socket may be stale after a
+        # server restart); never after a timeout, and never with backoff: a cache answers "miss"
+        # rather than wait.
+        return Retry(NoBackoff(), self.config.retries, supported_errors=(redis.exceptions.ConnectionError,))
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -110,16 +137,18 @@ class _RedisStoreBase(Store):
             yield
         except redis.exceptions.DataError:
             raise  # a caller's bug (a value of the wrong type), not an outage
+        except redis.exceptions.TimeoutError as exc:
+            raise StoreTimeoutError(f"{self.config.safe_url()}: {type(exc).__name__}: {exc}") from exc
         except redis.exceptions.RedisError as exc:
             raise StoreUnavailableError(f"{self.config.safe_url()}: {type(exc).__name__}: {exc}") from exc
 
     def _key(self, key: str) -> str:
         return self._prefix + key
 
-    def _pipeline(self, commands: Iterable[_Command]) -> list[Any]:
+    def _pipeline(self, commands: Iterable[_Command], *, writes: bool = False) -> list[Any]:
         """Send commands in one pipeline (one batch per node in a cluster); their replies in order."""
         with self._errors():
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = (self._redis_writes if writes else self._redis).pipeline(transaction=False)
             n = 0
             for name, args, kwargs in commands:
                 getattr(pipe, name)(*args, **kwargs)
@@ -139,7 +168,7 @@ class _RedisStoreBase(Store):
 
     def put(self, key: str, value: Buffer) -> None:
         with self._errors():
-            self._redis.set(self._key(key), hooks.wire(value), px=self._px)
+            self._redis_writes.set(self._key(key), hooks.wire(value), px=self._px)
 
     def delete(self, key: str) -> bool:
         with self._errors():
@@ -169,7 +198,12 @@ class _RedisStoreBase(Store):
                     conn.send_packed_command(conn.pack_commands(packed_args))
                     reader = hooks.DirectReplies(hooks.raw_socket(conn))
                     return [reader.value() for _ in keys]
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+                except (TimeoutError, redis.exceptions.TimeoutError) as exc:
+                    conn.disconnect()  # a frozen server: retrying would only double the wait
+                    if isinstance(exc, redis.exceptions.RedisError):
+                        raise
+                    raise redis.exceptions.TimeoutError(f"{type(exc).__name__}: {exc}") from exc
+                except (redis.exceptions.ConnectionError, OSError) as exc:
                     conn.disconnect()  # the stream is mid-reply: never reuse it
                     if attempt == self.config.retries:
                         if isinstance(exc, redis.exceptions.RedisError):
@@ -184,7 +218,7 @@ class _RedisStoreBase(Store):
 
     def put_many(self, items: Iterable[tuple[str, Buffer]]) -> None:
         px = self._px
-        self._pipeline(("set", (self._key(k), hooks.wire(v)), {"px": px}) for k, v in items)
+        self._pipeline((("set", (self._key(k), hooks.wire(v)), {"px": px}) for k, v in items), writes=True)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._pipeline(("exists", (self._key(k),), {}) for k in keys)]
@@ -214,8 +248,11 @@ class _RedisStoreBase(Store):
     def close(self) -> None:
         with self._client_lock:
             self._closed = True
-            client, self._client = self._client, None
-        if client is not None:
+            clients = [self._client, self._write_client]
+            self._client = self._write_client = None
+        for client in clients:
+            if client is None:
+                continue
             try:
                 client.close()
                 # redis.Redis.close() leaves a pool it was given open; release its sockets now
@@ -228,8 +265,10 @@ class _RedisStoreBase(Store):
 
     @property
     def deadline(self) -> float:
+        """One read, lookup or delete: a connect and a socket timeout (no retry after a timeout;
+        a connection error fails fast, and its one immediate retry is the same bound again)."""
         c = self.config
-        return (c.connect_timeout + c.timeout) * (1 + c.retries)
+        return c.connect_timeout + c.timeout
 
     def describe(self) -> dict[str, Any]:
         c = self.config
@@ -245,18 +284,16 @@ class RedisStore(_RedisStoreBase):
     """One Redis (or Valkey) server over TCP, TLS or a Unix socket."""
 
 
-    def _make_client(self) -> redis.Redis:
+    def _make_client(self, timeout: float) -> redis.Redis:
         c = self.config
-        kwargs = self._connection_kwargs()
+        kwargs = self._connection_kwargs(timeout)
         pool_class = kwargs.pop("connection_pool_class")
         if c.unix_path:
             kwargs.update(connection_class=hooks.UnixConnection, path=c.unix_path)
         else:
             host, port = c.hosts[0]
             kwargs.update(host=host, port=port)
-        # A failed command is retried at once (a pooled socket may be stale after a server
-        # restart); never with backoff: a cache answers "miss" rather than wait.
-        kwargs["retry"] = Retry(NoBackoff(), c.retries)
+        kwargs["retry"] = self._retry()
         pool = pool_class(db=c.db, **kwargs)
         return redis.Redis(connection_pool=pool)
 
@@ -268,9 +305,9 @@ class RedisClusterStore(_RedisStoreBase):
     """A Redis Cluster: keys hash to slots on several primaries; batches go one per node."""
 
 
-    def _make_client(self) -> redis.cluster.RedisCluster:
+    def _make_client(self, timeout: float) -> redis.cluster.RedisCluster:
         c = self.config
-        kwargs = self._connection_kwargs()
+        kwargs = self._connection_kwargs(timeout)
         (host, port), *others = c.hosts
         # ``url=`` makes redis-py build node pools from these kwargs as given, so our connection
         # class (and its packer) is used; credentials and TLS stay in kwargs, not in the URL.
@@ -278,6 +315,6 @@ class RedisClusterStore(_RedisStoreBase):
             url=f"redis://{host}:{port}",
             # redis-py leaves ClusterNode.__init__ unannotated.
             startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
-            retry=Retry(NoBackoff(), c.retries),
+            retry=self._retry(),
             **kwargs,
         )
