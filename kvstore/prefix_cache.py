@@ -5,12 +5,16 @@ adapters give it, per chunk, the bytes to save (``save``) and take, per verified
 bytes to place (``load``'s sink). Its promises:
 
 * ``lookup`` costs one ``longest_prefix`` call (one round trip per tier).
-* ``load`` verifies each record (namespace, key, token ids, dtype, shapes, checksum) before
-  handing it to the sink, in prefix order, and stops at the first chunk that is missing or
-  fails. A failed record is counted, deleted from the store (best effort) and becomes a miss;
+* ``load`` verifies each record (namespace, key, token ids, dtype, shapes, hidden state,
+  checksum and, with a deployment key, its tag) before handing it to the sink, in prefix
+  order, and stops at the first chunk that is missing or fails. A failed record is counted, deleted from the store (best effort) and becomes a miss;
   a store outage is a miss. ``load`` never raises a storage or record error.
 * ``save`` skips chunks that are already stored and never raises a storage error; record
   encoding errors (a caller bug) do raise.
+* With ``auth`` (a ``RecordAuth``: the deployment's keys) every record saved is signed with
+  the key derived for its namespace's cache salt, and ``load`` accepts only records whose tag
+  verifies under an accepted key: unsigned, forged and other-key records are counted
+  (``kvstore_corrupt_records_total{reason="auth"}``), deleted and missed.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
 from kvstore.keys import ChunkKey, Namespace, TokenIds, chunk_keys, tokens_to_array
 from kvstore.metrics import catalog as metrics
 from kvstore.record import DTYPES, Record, decode_record, encode_record
+from kvstore.record.auth import RecordAuth
 from kvstore.record.codecs import resolve_chain
 from kvstore.stores.base import Store
 from kvstore.types import Buffer
@@ -59,9 +64,11 @@ class LoadResult:
 class PrefixCache:
     """Chunked, verified save/load of token-prefix KV under one namespace."""
 
-    def __init__(self, store: Store, namespace: Namespace, *, codec: str = "raw") -> None:
+    def __init__(self, store: Store, namespace: Namespace, *, codec: str = "raw",
+                 auth: RecordAuth | None = None) -> None:
         self.store = store
         self.namespace = namespace
+        self.auth = auth
         itemsize = DTYPES.get(namespace.kv_dtype)
         if itemsize is None:
             raise ConfigError(f"kv_dtype={namespace.kv_dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
@@ -108,13 +115,18 @@ class PrefixCache:
         *,
         shapes: Callable[[ChunkKey], Sequence[Sequence[int]]] | None = None,
         namespace: Namespace | None = None,
+        hidden_dtype: str | None = None,
+        hidden_shape: Sequence[int] | None = None,
     ) -> LoadResult:
         """Fetch ``keys`` in one batch, verify each, and call ``sink(chunk, record)`` in order.
 
-        ``shapes(chunk)`` gives the tensor shapes the reader expects for a chunk (checked
-        before the sink runs). Stops at the first missing or invalid chunk.
+        ``shapes(chunk)`` gives the tensor shapes the reader expects for a chunk, and
+        ``hidden_dtype``/``hidden_shape`` the hidden state its model would consume (a record
+        carrying another is rejected; one carrying none is fine); all are checked before the
+        sink runs. Stops at the first missing or invalid chunk.
         """
         ns = namespace or self.namespace
+        tag_keys = self.auth.for_salt(ns.cache_salt) if self.auth is not None else None
         result = LoadResult()
         if not keys:
             return result
@@ -135,6 +147,7 @@ class PrefixCache:
                 record = decode_record(
                     value, namespace=ns, chunk=chunk, tokens=arr[chunk.start:chunk.end],
                     dtype=ns.kv_dtype, shapes=None if shapes is None else shapes(chunk),
+                    hidden_dtype=hidden_dtype, hidden_shape=hidden_shape, auth=tag_keys,
                 )
             except CorruptRecordError as exc:
                 metrics.CORRUPT.inc(reason=exc.reason)
@@ -172,13 +185,14 @@ class PrefixCache:
         start = time.perf_counter()
         first = self.lookup(keys) if skip_stored else 0
         arr = tokens_to_array(tokens)
+        tag_keys = self.auth.for_salt(ns.cache_salt) if self.auth is not None else None
         items: list[tuple[str, Buffer]] = []
         for chunk in keys[first:]:
             p = payload(chunk)
             record = encode_record(
                 namespace=ns, chunk=chunk, tokens=arr[chunk.start:chunk.end], dtype=ns.kv_dtype,
                 shapes=p.shapes, kv=p.kv, hidden=p.hidden, hidden_dtype=p.hidden_dtype,
-                hidden_shape=p.hidden_shape, chain=self.chain,
+                hidden_shape=p.hidden_shape, chain=self.chain, auth=tag_keys,
             )
             items.append((chunk.key, record))
         try:

@@ -162,7 +162,8 @@ class KVTransfer:
     # -- load ------------------------------------------------------------------------------
     def load_sequence(self, tokens: TokenIds, slots: torch.Tensor,
                       max_tokens: int | None = None, *, skip_tokens: int = 0,
-                      namespace: Namespace | None = None) -> tuple[int, torch.Tensor | None]:
+                      namespace: Namespace | None = None, hidden_dtype: torch.dtype | str | None = None,
+                      hidden_shape: Sequence[int] | None = None) -> tuple[int, torch.Tensor | None]:
         """Load the longest stored prefix of ``tokens`` into ``slots``.
 
         Only chunks ending at or before ``max_tokens`` are considered. Each chunk is verified
@@ -170,8 +171,10 @@ class KVTransfer:
         (an engine's local prefix hit, possibly shared blocks): chunks ending there are not
         fetched and those slots are never written (``slots`` may hold anything for them); on
         a block-granular layout it must be a whole number of blocks. ``namespace`` overrides
-        the cache's. Returns ``(tokens present: skip_tokens or the end of the loaded prefix,
-        hidden state of the last loaded token or None)``; the hidden state is a new CPU tensor.
+        the cache's. ``hidden_dtype``/``hidden_shape`` are what the caller's model consumes: a
+        record carrying another hidden state is a miss there, never a tensor the model cannot
+        take. Returns ``(tokens present: skip_tokens or the end of the loaded prefix, hidden
+        state of the last loaded token or None)``; the hidden state is a new CPU tensor.
         """
         arr = tokens_to_array(tokens)
         if skip_tokens < 0 or (self.layout.granularity == "block" and skip_tokens % self.block_size):
@@ -190,7 +193,10 @@ class KVTransfer:
             self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
 
         result = self.cache.load(arr[:keys[-1].end], keys, sink,
-                                 shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace)
+                                 shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace,
+                                 hidden_dtype=dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype)
+                                 else hidden_dtype,
+                                 hidden_shape=hidden_shape)
         if self.on_cuda:
             assert self._stream is not None  # built with the transfer on CUDA
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
