@@ -110,7 +110,9 @@ def parse_duration(text: str | float, *, name: str = "duration") -> float:
 def check_range(name: str, value: float, lo: float, hi: float, *, unit: str = "") -> None:
     """``ConfigError`` unless ``lo <= value <= hi`` (NaN never is), naming the value and the range."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ConfigError(f"{name}={value!r} is out of range; accepted: {lo:g} to {hi:g}{unit}")
+        def show(x: float) -> str:
+            return str(x) if isinstance(x, int) else f"{x:g}"
+        raise ConfigError(f"{name}={value!r} is out of range; accepted: {show(lo)} to {show(hi)}{unit}")
 
 
 def check_url(url: str, *, name: str = "store URL") -> None:

@@ -86,8 +86,8 @@ class S3Config:
                 raise ConfigError(f"{name}={value!r} is out of range; accepted: more than 0 and at most "
                                   f"{MAX_TIMEOUT:g}s (every remote call has a deadline)")
         if self.endpoint_url:
+            endpoint = split_url(self.endpoint_url, name="endpoint_url")
             try:
-                endpoint = split_url(self.endpoint_url, name="endpoint_url")
                 endpoint.port  # noqa: B018  (a property: raises for a port that is not a number)
             except ValueError as exc:
                 raise ConfigError(f"endpoint_url={self.endpoint_url!r} is not a valid URL: {exc}") from None
@@ -138,16 +138,16 @@ class S3Store(Store):
     def __init__(self, config: S3Config) -> None:
         self.config = config
         try:
-            session = boto3.session.Session(profile_name=config.profile or None)
+            self._session = boto3.session.Session(profile_name=config.profile or None)
             # Building a client does no network I/O: the store works once S3 is reachable.
-            self._client = self._make_client(session, config.timeout)
-            self._write_client = self._make_client(session, config.write_timeout)
+            self._client = self._make_client(self._session, config.timeout)
         except botocore.exceptions.ProfileNotFound as exc:
             raise ConfigError(f"profile={config.profile!r} is not in the AWS config files") from exc
         except botocore.exceptions.NoRegionError as exc:
             raise ConfigError("no AWS region: give ?region= or set AWS_DEFAULT_REGION") from exc
         except ValueError as exc:  # botocore's own checks of the endpoint, region...
             raise ConfigError(f"s3://{config.bucket}: {exc}") from exc
+        self._writes: Any = None  # the uploads' client, built on the first write (a reader never needs it)
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pool_lock = threading.Lock()
 
@@ -241,7 +241,14 @@ class S3Store(Store):
             raise
 
     def put(self, key: str, value: Buffer) -> None:
-        self._call(self._write_client.put_object, Key=self._key(key), Body=_body(value))
+        self._call(self._write_client().put_object, Key=self._key(key), Body=_body(value))
+
+    def _write_client(self) -> Any:
+        if self._writes is None:
+            with self._pool_lock:
+                if self._writes is None:
+                    self._writes = self._make_client(self._session, self.config.write_timeout)
+        return self._writes
 
     def _head(self, key: str) -> int | None:
         try:
@@ -318,7 +325,8 @@ class S3Store(Store):
             # server ends by its socket timeout, so waiting here would only delay shutdown.
             pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
-        self._write_client.close()
+        if self._writes is not None:
+            self._writes.close()
 
     @property
     def deadline(self) -> float:
