@@ -24,6 +24,7 @@ it, and configuring a key without it is a ``ConfigError`` naming the extra.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -34,7 +35,7 @@ from typing import Any
 from kvstore.errors import ConfigError, CorruptRecordError
 from kvstore.types import Buffer
 
-__all__ = ["RecordAuth", "TagKeys", "TAG_BYTES", "KEY_ID_BYTES", "MAX_PREVIOUS_WINDOW"]
+__all__ = ["RecordAuth", "TagKeys", "TAG_BYTES", "KEY_ID_BYTES", "MAX_PREVIOUS_WINDOW", "shared_auth"]
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +194,10 @@ class RecordAuth:
 
     def __repr__(self) -> str:
         return f"RecordAuth(key_id={self.key_id.hex()}, previous={len(self._keys) - 1})"
+
+
+@functools.lru_cache(maxsize=16)
+def shared_auth(key_file: str = "", key_env: str = "", previous_window: float = 86400.0) -> RecordAuth | None:
+    """``RecordAuth.from_options`` once per process and settings: the sides of one engine (vLLM's
+    scheduler and worker in one process) share the keys and the rotation window's start."""
+    return RecordAuth.from_options(key_file, key_env, previous_window)

@@ -54,7 +54,8 @@ class SchedulerSide:
         self.do_load, self.do_save = loads, saves
         self._block_ids = block_ids
         # One prefix cache per TP rank: a hit needs every rank's shard.
-        self.caches = [PrefixCache(store, build_namespace(facts, opts, rank)[0], codec=opts.codec)
+        self.caches = [PrefixCache(store, build_namespace(facts, opts, rank)[0], codec=opts.codec,
+                                   auth=opts.record_auth())
                        for rank in range(facts.tp_size)]
         self._lookups: dict[str, tuple[int, int, float]] = {}  # req -> (num_tokens, hit, when)
         self._requests: dict[str, Request] = {}

@@ -59,7 +59,7 @@ class WorkerSide:
         shapes = {tuple(c.shape) for c in caches}
         if len(shapes) != 1:
             raise ConfigError(f"KVStoreConnector needs every layer's KV cache to have one shape; got {sorted(shapes)}")
-        cache = PrefixCache(self.store, self.namespace, codec=self.opts.codec)
+        cache = PrefixCache(self.store, self.namespace, codec=self.opts.codec, auth=self.opts.record_auth())
         self.transfer = KVTransfer(cache, caches, self.layout)  # checks layout, dtype, block size, layers
         log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, namespace %s",
                  self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
