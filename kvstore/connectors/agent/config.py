@@ -68,10 +68,10 @@ class AgentConfig:
                 + " (store: a URL or list of URLs such as 'file:///tmp/kv' or 'redis://host:6379'; "
                   "model and model_fingerprint: the model's name and a hash of its weights/config)")
         object.__setattr__(self, "role", parse_role(self.role).name)
-        for name in ("chunk_tokens", "tp_size"):
+        for name, most in (("chunk_tokens", 1 << 20), ("tp_size", 1 << 16)):
             value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
+            if type(value) is not int or not 0 < value <= most:
+                raise ConfigError(f"{name}={value!r} must be a positive integer, at most {most}")
         if type(self.rank) is not int or not 0 <= self.rank < self.tp_size:
             raise ConfigError(f"rank={self.rank!r} must be an integer in [0, tp_size={self.tp_size})")
         if self.kv_layout not in ("", *_LAYOUT_NAMES):
