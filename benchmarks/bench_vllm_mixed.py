@@ -30,11 +30,12 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+import itertools
 
 import vllm_model
 from bench_vllm_ttft import BENCH_CONFIG, machine, run
@@ -47,7 +48,7 @@ ENGINE = {"max_model_len": 4096, "enable_prefix_caching": False, "kv_cache_memor
 
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def measure(result: dict, streams: int, arrivals: int) -> dict[str, float]:
@@ -57,7 +58,7 @@ def measure(result: dict, streams: int, arrivals: int) -> dict[str, float]:
     itl: list[float] = []
     for s in range(streams):
         ts = times[f"stream-{s}"]
-        itl += [b - a for a, b in zip(ts, ts[1:]) if first_arrival <= b <= last_first_token + 0.5]
+        itl += [b - a for a, b in itertools.pairwise(ts) if first_arrival <= b <= last_first_token + 0.5]
     ttft = [times[f"arrival-{i}"][0] - added[f"arrival-{i}"] for i in range(arrivals)]
     total = sum(len(v) for v in times.values())
     span = max(t[-1] for t in times.values() if t)

@@ -5,13 +5,13 @@ The public surface, by layer (``docs/architecture.md`` draws them):
 * stores: ``open_store`` (a store from a URL, a tiered store from a list), ``Store``,
   ``WrapperStore``, ``TieredStore``;
 * keys and records: ``Namespace``, ``chunk_keys``, ``encode_record`` / ``decode_record`` /
-  ``read_header``;
+  ``read_header``, ``RecordAuth`` (the deployment key of authenticated records);
 * the prefix cache: ``PrefixCache`` (engine-agnostic, verified save/load of token prefixes);
 * paged caches: ``KVTransfer`` and ``get_layout`` (import torch; loaded on first use);
 * engine adapters: ``KVStoreAgent`` and ``AgentConfig`` (the agent API), and the vLLM connector
   at ``connectors.vllm_v1`` (imports vLLM);
 * the error family: ``KVStoreError``, ``ConfigError``, ``CorruptRecordError``,
-  ``StoreUnavailableError``.
+  ``StoreUnavailableError`` (``StoreTimeoutError``: a deadline expired).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore._version import FORMAT_VERSION, __version__
 from kvstore.connectors.agent.config import AgentConfig
-from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError, StoreUnavailableError
+from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError, StoreTimeoutError, StoreUnavailableError
 from kvstore.keys import ChunkKey, Namespace, chunk_keys
 from kvstore.prefix_cache import ChunkPayload, LoadResult, PrefixCache
-from kvstore.record import Record, RecordHeader, decode_record, encode_record, read_header
+from kvstore.record import Record, RecordAuth, RecordHeader, decode_record, encode_record, read_header
 from kvstore.stores import Store, TieredStore, WrapperStore, open_store, register_backend
 
 if TYPE_CHECKING:  # what __getattr__ loads, for type checkers
@@ -40,8 +40,8 @@ _LAZY = {
 
 __all__ = [
     "AgentConfig", "ChunkKey", "ChunkPayload", "ConfigError", "CorruptRecordError", "FORMAT_VERSION", "KVStoreAgent",
-    "KVStoreError", "KVTransfer", "LoadResult", "Namespace", "PrefixCache", "Record", "RecordHeader", "Store",
-    "StoreUnavailableError", "TieredStore", "WrapperStore", "__version__", "chunk_keys", "decode_record",
+    "KVStoreError", "KVTransfer", "LoadResult", "Namespace", "PrefixCache", "Record", "RecordAuth", "RecordHeader", "Store",
+    "StoreTimeoutError", "StoreUnavailableError", "TieredStore", "WrapperStore", "__version__", "chunk_keys", "decode_record",
     "encode_record", "get_layout", "open_store", "read_header", "register_backend",
 ]
 

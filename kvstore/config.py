@@ -7,7 +7,12 @@ mapping, command-line strings): each value is converted by the field's declared 
 kinds given in ``option(kind=...)``: ``"size"`` accepts ``8GiB``-style sizes, ``"duration"``
 accepts ``250ms``/``2s``/``1h``, ``"urls"`` a URL or a list of URLs (``split_urls``). An unknown
 parameter, a repeated one or a value that does not convert is a ``ConfigError`` naming it and
-what is accepted. Fields marked ``secret=True`` are hidden from ``repr``; ``safe_repr`` also
+what is accepted. Numbers are ASCII digits only (``int()`` alone would take other scripts'
+digits and ``1_000``), finite, and integers are never silently truncated; sizes are at most
+``MAX_SIZE`` and durations at most ``MAX_DURATION`` (each options class narrows its own ranges
+with ``check_range``). URLs with control characters are rejected (``check_url``): Python's URL
+parser silently drops CR, LF and tabs, so the operator would get another value than written.
+Fields marked ``secret=True`` are hidden from ``repr``; ``safe_repr`` also
 redacts passwords in URL fields. ``kvstore.docs`` renders the reference tables from the same
 metadata, so the documentation cannot drift from the code.
 """
@@ -15,12 +20,14 @@ metadata, so the documentation cannot drift from the code.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
+import unicodedata
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit, urlunsplit
 
 from kvstore.errors import ConfigError
 
@@ -37,7 +44,13 @@ _SIZE_UNITS = {
     "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
 }
 _DURATION_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_NUMBER_UNIT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
+_INTEGER = re.compile(r"^\s*[+-]?[0-9]+\s*$", re.ASCII)
+_FLOAT = re.compile(r"^\s*[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?\s*$", re.ASCII)
+#: The largest size any option takes (1 PiB): beyond it a value is a typo, not a plan.
+MAX_SIZE = 1 << 50
+#: The longest duration any option takes (10 years); options narrow it (timeouts: minutes).
+MAX_DURATION = 10 * 365 * 86400.0
 # A comma separates URLs only where a new URL (a scheme) follows: a cluster URL lists its
 # nodes with commas (redis+cluster://h1:7000,h2:7001).
 _URL_SEPARATOR = re.compile(r"\s+|,\s*(?=[A-Za-z][A-Za-z0-9+.-]*://)")
@@ -46,7 +59,9 @@ _FALSE = {"0", "false", "no", "off"}
 
 
 def parse_size(text: str | int, *, name: str = "size") -> int:
-    """``"8GiB"`` -> 8589934592. Decimal (kB, MB, GB) and binary (KiB, MiB, GiB) units."""
+    """``"8GiB"`` -> 8589934592. Decimal (kB, MB, GB) and binary (KiB, MiB, GiB) units; at most ``MAX_SIZE``."""
+    if isinstance(text, bool):
+        raise ConfigError(f"{name}={text!r} is not a size")
     if isinstance(text, int):
         value = text
     else:
@@ -57,14 +72,23 @@ def parse_size(text: str | int, *, name: str = "size") -> int:
                 f"{name}={text!r} is not a size; use a number of bytes with an optional unit "
                 f"such as 512MiB, 8GiB or 100MB"
             )
-        value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+        number = m.group(1)
+        exact = number.isdigit()  # ASCII digits only (the pattern): no float rounding of big counts
+        scaled = int(number) * _SIZE_UNITS[unit] if exact else float(number) * _SIZE_UNITS[unit]
+        if not exact and not math.isfinite(scaled):
+            raise ConfigError(f"{name}={text!r} is not a finite size (at most {MAX_SIZE} bytes, 1 PiB)")
+        value = int(scaled) if scaled <= MAX_SIZE else MAX_SIZE + 1
     if value < 0:
         raise ConfigError(f"{name}={text!r} must not be negative")
+    if value > MAX_SIZE:
+        raise ConfigError(f"{name}={text!r} is larger than any store ({MAX_SIZE} bytes, 1 PiB, at most)")
     return value
 
 
 def parse_duration(text: str | float, *, name: str = "duration") -> float:
-    """``"250ms"`` -> 0.25 seconds. Units: us, ms, s (default), m/min, h, d."""
+    """``"250ms"`` -> 0.25 seconds. Units: us, ms, s (default), m/min, h, d; finite, at most ``MAX_DURATION``."""
+    if isinstance(text, bool):
+        raise ConfigError(f"{name}={text!r} is not a duration")
     if isinstance(text, (int, float)):
         value = float(text)
     else:
@@ -78,7 +102,35 @@ def parse_duration(text: str | float, *, name: str = "duration") -> float:
         value = float(m.group(1)) * _DURATION_UNITS[unit]
     if value < 0:
         raise ConfigError(f"{name}={text!r} must not be negative")
+    if not value <= MAX_DURATION:  # also NaN and infinity
+        raise ConfigError(f"{name}={text!r} is not a finite duration of at most 10 years")
     return value
+
+
+def check_range(name: str, value: float, lo: float, hi: float, *, unit: str = "") -> None:
+    """``ConfigError`` unless ``lo <= value <= hi`` (NaN never is), naming the value and the range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        def show(x: float) -> str:
+            return str(x) if isinstance(x, int) else f"{x:g}"
+        raise ConfigError(f"{name}={value!r} is out of range; accepted: {show(lo)} to {show(hi)}{unit}")
+
+
+def check_url(url: str, *, name: str = "store URL") -> None:
+    """``ConfigError`` if ``url`` holds a control character (CR, LF, tab, NUL, DEL, C1...)."""
+    bad = next((ch for ch in url if unicodedata.category(ch) == "Cc"), None)
+    if bad is not None:
+        raise ConfigError(f"{name} {redact_url(url.encode('unicode_escape').decode('ascii'))!r} holds the control "
+                          f"character {bad!r}; URLs take printable characters only (percent-encode the rest)")
+
+
+def split_url(url: str, *, name: str = "store URL") -> SplitResult:
+    """``urlsplit(url)`` after ``check_url``; ``ConfigError`` for what it cannot parse (``[::1``)."""
+    check_url(url, name=name)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(f"{name} {redact_url(url)!r} is not a valid URL: {exc}") from None
+    return parts
 
 
 def parse_bool(text: str | bool, *, name: str = "flag") -> bool:
@@ -109,6 +161,7 @@ def parse_urls(raw: Any, *, name: str = "store") -> tuple[str, ...]:
         if not isinstance(url, str) or "://" not in url:
             raise ConfigError(f"{name} entry {redact_url(url) if isinstance(url, str) else url!r} is not a URL "
                               "(scheme://...)")
+        check_url(url, name=name)
     return tuple(urls)
 
 
@@ -134,21 +187,46 @@ def convert(cls: type, field: dataclasses.Field[Any], raw: Any) -> Any:
         if hint is bool:
             value: Any = parse_bool(raw, name=name)
         elif hint is int:
-            value = int(raw)
+            value = _to_int(raw, name)
         elif hint is float:
-            value = float(raw)
+            value = _to_float(raw, name)
         elif hint is str:
             value = str(raw)
         elif typing.get_origin(hint) is tuple:
             value = tuple(s for s in (raw.split(",") if isinstance(raw, str) else raw) if s != "")
         else:
             value = raw
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"{name}={raw!r} is not a valid {getattr(hint, '__name__', hint)}") from exc
     if choices is not None and value not in choices:
         raise ConfigError(f"{name}={raw!r} is not accepted; use one of: {', '.join(map(str, choices))}")
+    return value
+
+
+def _to_int(raw: Any, name: str) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise ConfigError(f"{name}={raw!r} is not an integer")
+    if isinstance(raw, float):
+        if not raw.is_integer():  # also NaN and infinity
+            raise ConfigError(f"{name}={raw!r} is not a whole number")
+        return int(raw)
+    if isinstance(raw, str):
+        if not _INTEGER.match(raw):
+            raise ConfigError(f"{name}={raw!r} is not an integer (ASCII digits, e.g. {name}=3)")
+        return int(raw)
+    return raw
+
+
+def _to_float(raw: Any, name: str) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+        raise ConfigError(f"{name}={raw!r} is not a number")
+    if isinstance(raw, str) and not _FLOAT.match(raw):
+        raise ConfigError(f"{name}={raw!r} is not a number (ASCII digits, e.g. {name}=0.5)")
+    value = float(raw)
+    if not math.isfinite(value):
+        raise ConfigError(f"{name}={raw!r} is not a finite number")
     return value
 
 
@@ -171,18 +249,20 @@ def build(cls: type[T], options: Mapping[str, Any], *, where: str, **fixed: Any)
         return cls(**values)
     except ConfigError:
         raise
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ConfigError(f"invalid options for {where}: {exc}") from exc
 
 
 def query_options(url: str) -> dict[str, str]:
-    """The query parameters of ``url`` as a flat dict; a repeated parameter is an error."""
-    query = urlsplit(url).query
+    """The query parameters of ``url`` as a flat dict; a repeated parameter, or a control
+    character in the URL or in a decoded value (``%0D``), is an error."""
+    query = split_url(url).query
     parsed = parse_qs(query, keep_blank_values=True, strict_parsing=False)
     out: dict[str, str] = {}
     for key, values in parsed.items():
         if len(values) != 1:
             raise ConfigError(f"parameter {key!r} is given {len(values)} times in {redact_url(url)!r}")
+        check_url(key + "=" + values[0], name="URL parameter")
         out[key] = values[0]
     return out
 

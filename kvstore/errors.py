@@ -9,6 +9,8 @@ still catch what they expect (``except ValueError``, ``except ConnectionError``)
   namespace, format or token sequence) or otherwise unusable. Readers treat it as a miss.
 * ``StoreUnavailableError``: a backend that cannot be reached or did not answer in time.
   The tiered store turns it into a miss; it never reaches the inference path.
+  ``StoreTimeoutError``, its subclass, says a deadline expired (a frozen or overloaded server):
+  the tiered store then skips the tier at once instead of after several failures.
 """
 
 from __future__ import annotations
@@ -36,3 +38,7 @@ class CorruptRecordError(KVStoreError, ValueError):
 
 class StoreUnavailableError(KVStoreError, ConnectionError):
     """A storage backend could not be reached or did not answer within its deadline."""
+
+
+class StoreTimeoutError(StoreUnavailableError):
+    """A backend did not answer within its deadline (a frozen, overloaded or unreachable server)."""

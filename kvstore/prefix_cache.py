@@ -7,15 +7,19 @@ bytes to place (``load``'s sink). Its promises:
 * ``lookup`` costs one ``longest_prefix`` call (one round trip per tier).
 * ``load`` receives the records into leased pool buffers (``Store.get_into``: a Redis tier
   receives record i+1 while record i is verified and placed), verifies each record (namespace,
-  key, token ids, dtype, shapes, checksum) in place before handing it to the sink, in prefix
-  order, and stops at the first chunk that is missing or fails. The record handed to the sink
-  is valid only during that call. A failed record is counted, deleted from the store (best
-  effort) and becomes a miss; a store outage is a miss. ``load`` never raises a storage or
-  record error.
+  key, token ids, dtype, shapes, hidden state, checksum and, with a deployment key, its tag)
+  in place before handing it to the sink, in prefix order, and stops at the first chunk that
+  is missing or fails. The record handed to the sink is valid only during that call. A failed
+  record is counted, deleted from the store (best effort) and becomes a miss; a store outage
+  is a miss. ``load`` never raises a storage or record error.
 * ``save`` skips chunks that are already stored, encodes each record as pieces (its header
   beside the payload, which is never copied into a joined buffer) and never raises a storage
   error; record encoding errors (a caller bug) do raise. A payload may be owned by a lease
   (``ChunkPayload.owner``): ``save`` releases it once the store has taken what it keeps.
+* With ``auth`` (a ``RecordAuth``: the deployment's keys) every record saved is signed with
+  the key derived for its namespace's cache salt, and ``load`` accepts only records whose tag
+  verifies under an accepted key: unsigned, forged and other-key records are counted
+  (``kvstore_corrupt_records_total{reason="auth"}``), deleted and missed.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
 from kvstore.keys import ChunkKey, Namespace, TokenIds, chunk_keys, tokens_to_array
 from kvstore.metrics import catalog as metrics
 from kvstore.record import DTYPES, Record, RecordHeader, decode_record, encode_record_pieces
+from kvstore.record.auth import RecordAuth, TagKeys
 from kvstore.record.codecs import resolve_chain
 from kvstore.stores.base import Store
 from kvstore.types import Buffer
@@ -67,15 +72,27 @@ class LoadResult:
     reason: str = "hit"
 
 
+@dataclass(frozen=True)
+class _Expect:
+    """What one load's reader expects of every record (see ``decode_record``)."""
+
+    namespace: Namespace
+    shapes: Callable[[ChunkKey], Sequence[Sequence[int]]] | None
+    hidden_dtype: str | None
+    hidden_shape: Sequence[int] | None
+    auth: TagKeys | None
+
+
 class PrefixCache:
     """Chunked, verified save/load of token-prefix KV under one namespace."""
 
     def __init__(self, store: Store, namespace: Namespace, *, codec: str = "raw",
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, auth: RecordAuth | None = None) -> None:
         self.store = store
         self.namespace = namespace
         #: Where loads receive records (and transfers gather chunks): resident, reused buffers.
         self.pool = pool or default_pool()
+        self.auth = auth
         itemsize = DTYPES.get(namespace.kv_dtype)
         if itemsize is None:
             raise ConfigError(f"kv_dtype={namespace.kv_dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
@@ -122,16 +139,21 @@ class PrefixCache:
         *,
         shapes: Callable[[ChunkKey], Sequence[Sequence[int]]] | None = None,
         namespace: Namespace | None = None,
+        hidden_dtype: str | None = None,
+        hidden_shape: Sequence[int] | None = None,
     ) -> LoadResult:
         """Fetch ``keys`` in one batch, verify each, and call ``sink(chunk, record)`` in order.
 
-        ``shapes(chunk)`` gives the tensor shapes the reader expects for a chunk (checked
-        before the sink runs). Stops at the first missing or invalid chunk.
+        ``shapes(chunk)`` gives the tensor shapes the reader expects for a chunk, and
+        ``hidden_dtype``/``hidden_shape`` the hidden state its model would consume (a record
+        carrying another is rejected; one carrying none is fine); all are checked before the
+        sink runs. Stops at the first missing or invalid chunk.
         """
         ns = namespace or self.namespace
         result = LoadResult()
         if not keys:
             return result
+        expect = _Expect(ns, shapes, hidden_dtype, hidden_shape, self._tag_keys(ns))
         start = time.perf_counter()
         arr = tokens_to_array(tokens)
         stream = self.store.get_into([k.key for k in keys], self.pool)
@@ -141,7 +163,7 @@ class PrefixCache:
                     result.reason = "miss"
                     break
                 try:
-                    if not self._place(lease, chunk, arr, ns, shapes, sink, result):
+                    if not self._place(lease, chunk, arr, expect, sink, result):
                         break
                 finally:
                     lease.release()
@@ -156,14 +178,17 @@ class PrefixCache:
         metrics.LATENCY.observe(time.perf_counter() - start, op="load")
         return result
 
-    def _place(self, lease: Lease, chunk: ChunkKey, arr: TokenIds, ns: Namespace,
-               shapes: Callable[[ChunkKey], Sequence[Sequence[int]]] | None,
+    def _tag_keys(self, ns: Namespace) -> TagKeys | None:
+        return self.auth.for_salt(ns.cache_salt) if self.auth is not None else None
+
+    def _place(self, lease: Lease, chunk: ChunkKey, arr: TokenIds, expect: _Expect,
                sink: Callable[[ChunkKey, Record], None], result: LoadResult) -> bool:
         """Verify one received record and hand it to ``sink``; False (counted, discarded) if it is bad."""
         try:
             record = decode_record(
-                lease.view, namespace=ns, chunk=chunk, tokens=arr[chunk.start:chunk.end],
-                dtype=ns.kv_dtype, shapes=None if shapes is None else shapes(chunk),
+                lease.view, namespace=expect.namespace, chunk=chunk, tokens=arr[chunk.start:chunk.end],
+                dtype=expect.namespace.kv_dtype, shapes=None if expect.shapes is None else expect.shapes(chunk),
+                hidden_dtype=expect.hidden_dtype, hidden_shape=expect.hidden_shape, auth=expect.auth,
             )
         except CorruptRecordError as exc:
             metrics.CORRUPT.inc(reason=exc.reason)
@@ -198,6 +223,7 @@ class PrefixCache:
         start = time.perf_counter()
         first = self.lookup(keys) if skip_stored else 0
         arr = tokens_to_array(tokens)
+        tag_keys = self._tag_keys(ns)
         made: list[Pieces] = []
 
         def records() -> Iterator[tuple[str, Pieces]]:
@@ -208,7 +234,7 @@ class PrefixCache:
                     record = encode_record_pieces(
                         namespace=ns, chunk=chunk, tokens=arr[chunk.start:chunk.end], dtype=ns.kv_dtype,
                         shapes=p.shapes, kv=p.kv, hidden=p.hidden, hidden_dtype=p.hidden_dtype,
-                        hidden_shape=p.hidden_shape, chain=self.chain, owner=p.owner,
+                        hidden_shape=p.hidden_shape, chain=self.chain, owner=p.owner, auth=tag_keys,
                     )
                 except BaseException:
                     if p.owner is not None:

@@ -28,18 +28,26 @@ CASES = {
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
+#: Signed records (optional header fields kid/tag): name -> (unsigned case, cache salt), all signed
+#: with GOLDEN_KEY (a test key: never use a published key in a deployment).
+SIGNED_CASES = {
+    "bf16_raw_hidden_signed": ("bf16_raw_hidden", ""),
+    "bf16_shuffle_lz4_signed_tenant": ("bf16_shuffle_lz4", "tenant-a"),
+}
+GOLDEN_KEY = bytes(range(32))
 
-def namespace(dtype: str) -> Namespace:
+
+def namespace(dtype: str, cache_salt: str = "") -> Namespace:
     return Namespace(model="golden", kv_dtype=dtype, layout="golden", block_size=4, chunk_tokens=32,
-                     layer_end=4, model_fingerprint="v1")
+                     layer_end=4, model_fingerprint="v1", cache_salt=cache_salt)
 
 
-def case_inputs(name: str):
+def case_inputs(name: str, cache_salt: str = ""):
     """(namespace, chunk, tokens, dtype, shapes, kv bytes, hidden bytes or None, hidden meta, chain)."""
     dtype, chain, shape, layers, hidden, ntok = CASES[name]
     seed = sum(map(ord, name))
     rng = np.random.default_rng(seed)
-    ns = namespace(dtype)
+    ns = namespace(dtype, cache_salt)
     tokens = rng.integers(0, 50_000, ntok, dtype=np.int64)
     chunk = chunk_keys(ns, tokens)[0]
     n = layers * int(np.prod(shape))
@@ -61,19 +69,36 @@ def case_inputs(name: str):
     return ns, chunk, tokens, dtype, [shape] * layers, kv, hidden_bytes, hidden, chain
 
 
+def golden_auth():
+    from kvstore.record.auth import RecordAuth
+
+    return RecordAuth([GOLDEN_KEY])
+
+
+def signed_inputs(name: str):
+    """``case_inputs`` of a signed case (its namespace carries the case's cache salt)."""
+    base, salt = SIGNED_CASES[name]
+    return case_inputs(base, salt)
+
+
 def encode_case(name: str) -> bytes:
     from kvstore import encode_record
 
-    ns, chunk, tokens, dtype, shapes, kv, hidden_bytes, hidden, chain = case_inputs(name)
+    auth = None
+    if name in SIGNED_CASES:
+        ns, chunk, tokens, dtype, shapes, kv, hidden_bytes, hidden, chain = signed_inputs(name)
+        auth = golden_auth().for_salt(ns.cache_salt)
+    else:
+        ns, chunk, tokens, dtype, shapes, kv, hidden_bytes, hidden, chain = case_inputs(name)
     return bytes(encode_record(
         namespace=ns, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes, kv=kv,
         hidden=hidden_bytes, hidden_dtype=hidden[0] if hidden else None,
-        hidden_shape=hidden[1] if hidden else None, chain=chain, created=CREATED,
+        hidden_shape=hidden[1] if hidden else None, chain=chain, created=CREATED, auth=auth,
     ))
 
 
 if __name__ == "__main__":
     FIXTURES.mkdir(parents=True, exist_ok=True)
-    for case in CASES:
+    for case in [*CASES, *SIGNED_CASES]:
         (FIXTURES / f"{case}.kvr").write_bytes(encode_case(case))
         print("wrote", case)

@@ -174,6 +174,27 @@ def test_corrupted_record_is_a_miss(store_url):
     assert bytes(fixed) != bytes(damaged) and decode_record(fixed).header.num_tokens == 32
 
 
+def test_hidden_state_of_another_size_is_a_miss_not_an_engine_error(store_url):
+    # Two engines that differ only in hidden_size but were given the same fingerprint share a
+    # namespace (their KV shapes agree); the writer's hidden states do not fit the reader's model.
+    from kvstore.metrics import REGISTRY
+
+    wide = CFG.with_(hidden_size=128)
+    p = prompt(96, 12)
+    writer = KVStoreAgent(dict(store=store_url, model=CFG.name, model_fingerprint="shared", chunk_tokens=CHUNK))
+    ModelRunner(CFG, writer).generate([p], 2)
+    writer.close()
+    corrupt = REGISTRY.counter("kvstore_corrupt_records_total", "", ("reason",))
+    before = corrupt.value(reason="shape")
+    reader = KVStoreAgent(dict(store=store_url, model=CFG.name, model_fingerprint="shared", chunk_tokens=CHUNK,
+                               role="consumer"))
+    out = ModelRunner(wide, reader).generate([p], 8)  # raised "mat1 and mat2 shapes cannot be multiplied"
+    assert not out.bypassed and out.tokens_loaded == 0 and out.tokens == baseline([p], wide).tokens
+    assert corrupt.value(reason="shape") - before == 1  # the first chunk, then loading stopped
+    assert KVStoreAgent.expected_hidden(ModelRunner(wide).model) == (torch.float32, (128,))
+    reader.close()
+
+
 def test_loaded_kv_is_really_used(store_url):
     """Valid records (correct checksum) whose KV carries noise must change the generation."""
     p = prompt(96, 6)

@@ -243,3 +243,117 @@ def test_zstd_frame_that_declares_more_than_raw_len_is_rejected_before_allocatin
     with pytest.raises(CorruptRecordError) as info:
         decode_record(_framed(msgpack.packb(header, use_bin_type=True), bomb))
     assert info.value.reason == "codec" and "declares" in str(info.value)
+
+
+# -- exactly what this version writes, and what the reader expects (issue 11) ---------------------
+def _split(data: bytes):
+    hlen = struct.unpack_from("<I", data, 8)[0]
+    return msgpack.unpackb(data[FRAME_BYTES:FRAME_BYTES + hlen]), data[FRAME_BYTES + hlen:]
+
+
+def _reframe(header: dict, payload: bytes) -> bytes:
+    """A record whose header fields were changed, with checksums that agree (a deliberate writer)."""
+    import xxhash
+
+    header = dict(header, payload_len=len(payload), checksum=xxhash.xxh3_64_digest(payload))
+    return _framed(msgpack.packb(header, use_bin_type=True), payload)
+
+
+def _rejected_everywhere(data: bytes, reason: str, **expect) -> None:
+    """Rejected with ``reason`` with and without ``out=``; a sentinel-filled ``out`` stays untouched."""
+    with pytest.raises(CorruptRecordError) as err:
+        decode_record(data, **expect)
+    assert err.value.reason == reason, err.value
+    try:
+        raw_len = read_header(data).raw_len
+    except CorruptRecordError:
+        raw_len = 64
+    out = bytearray(b"\xa5" * raw_len)
+    with pytest.raises(CorruptRecordError) as err:
+        decode_record(data, out=memoryview(out), **expect)
+    assert err.value.reason == reason, err.value
+    assert out == b"\xa5" * raw_len
+
+
+def test_one_element_shuffle_payload_never_fills_a_callers_buffer():
+    # The bug: a shuffle payload of one element broadcast over the whole destination with out=.
+    data, *_ = _record(("shuffle2", "lz4"), hidden=False)
+    header, _ = _split(data)
+    _rejected_everywhere(_reframe(dict(header, codecs=["shuffle2"]), b"\x01\x02"), "codec")
+    out = bytearray(8)
+    from kvstore.record import codecs
+
+    with pytest.raises(CorruptRecordError):
+        codecs._unshuffle(b"\x01\x02", 2, memoryview(out))
+    assert out == bytes(8)
+
+
+def test_zstd_payload_with_trailing_bytes_is_rejected():
+    data, *_ = _record(("shuffle2", "zstd"), hidden=False)
+    header, payload = _split(data)
+    _rejected_everywhere(_reframe(header, payload + b"\x00"), "codec")
+    import zstandard  # a second whole frame after the first is trailing data too
+
+    _rejected_everywhere(_reframe(header, payload + zstandard.ZstdCompressor().compress(b"x")), "codec")
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda h: dict(h, codecs=["shuffle4", "lz4"]), "codec"),          # filter of another element size
+    (lambda h: dict(h, codecs=["lz4", "lz4"]), "codec"),               # two compressors
+    (lambda h: dict(h, codecs=["shuffle2", "shuffle2", "lz4"]), "codec"),
+    (lambda h: dict(h, extra=1), "header"),                             # a field this version does not write
+    (lambda h: {k: v for k, v in h.items() if k != "created"}, "header"),
+    (lambda h: dict(h, kid=b"12345678"), "header"),                     # half a signature
+    (lambda h: dict(h, created=float("nan")), "header"),
+    (lambda h: dict(h, created=-1.0), "header"),
+    (lambda h: dict(h, shapes=[]), "header"),
+    (lambda h: dict(h, shapes=[[]]), "header"),
+    (lambda h: dict(h, tokens=b""), "header"),
+    (lambda h: dict(h, start=1 << 41), "header"),
+    (lambda h: dict(h, hidden=["bfloat16", []]), "header"),
+    (lambda h: dict(h, hidden=["bfloat16", [16], 1]), "header"),
+    (lambda h: dict(h, partial=0), "header"),
+])
+def test_inconsistent_headers_are_rejected(change, reason):
+    data, *_ = _record(("shuffle2", "lz4"))
+    header, payload = _split(data)
+    _rejected_everywhere(_reframe(change(header), payload), reason)
+
+
+def test_a_repeated_header_field_is_rejected():
+    data, *_ = _record()
+    header, payload = _split(data)
+    packed = msgpack.packb(header, use_bin_type=True)
+    # Map with one more entry: "dtype" given twice (the last would win in a plain dict).
+    n = len(header) + 1
+    body = packed[3:] if packed[0] == 0xDE else packed[1:]
+    dup = bytes([0xDE]) + struct.pack(">H", n) + body + msgpack.packb("dtype") + msgpack.packb("float16")
+    _rejected_everywhere(_framed(dup, payload), "header")
+
+
+def test_uncompressed_records_with_trailing_or_missing_bytes_are_rejected():
+    data, *_ = _record(hidden=False)
+    header, payload = _split(data)
+    _rejected_everywhere(_reframe(header, payload + b"\x00\x00"), "header")
+    _rejected_everywhere(_reframe(header, payload[:-2]), "header")
+
+
+def test_hidden_state_is_checked_against_the_readers_model():
+    data, chunk, tokens, kv, h = _record()  # hidden: bfloat16 [16]
+    rec = decode_record(data, hidden_dtype="bfloat16", hidden_shape=(16,))
+    assert bytes(rec.hidden) == h
+    _rejected_everywhere(data, "shape", hidden_shape=(32,))
+    _rejected_everywhere(data, "shape", hidden_dtype="float32")
+    _rejected_everywhere(data, "shape", hidden_dtype="bfloat16", hidden_shape=(1, 16))
+    plain, *_ = _record(hidden=False)  # no hidden state at all: fine, there is none to misuse
+    assert decode_record(plain, hidden_dtype="float32", hidden_shape=(99,)).hidden is None
+
+
+def test_a_destination_of_the_wrong_size_rejects_the_record_untouched():
+    for chain in ((), ("lz4",), ("shuffle2", "lz4"), ("shuffle2", "zstd")):
+        data, _, _, kv, _ = _record(chain)
+        for size in (len(kv) - 2, len(kv) + 2, 0):
+            out = bytearray(b"\x5a" * size)
+            with pytest.raises(CorruptRecordError) as err:
+                decode_record(data, out=memoryview(out))
+            assert err.value.reason == "shape" and out == b"\x5a" * size

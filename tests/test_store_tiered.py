@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.metrics import REGISTRY
 from kvstore.stores import open_store
 from kvstore.stores.base import Store
@@ -229,11 +229,37 @@ def test_breaker_skips_a_failing_tier_logs_once_and_resumes(caplog):
             broken.up = True
             broken.inner.put("there", b"v")
             assert store.get("there") is None  # still skipped within the cooldown
+            assert broken.calls == 2 and store.tiers[1].probes == 0
             now[0] += 0.1
-            assert store.get("there") == b"v"  # the half-open probe succeeds
-            assert store.stats()["tiers"][1]["state"] == CLOSED
+            # The tier's prober, not a caller, probes once the cooldown is over; it succeeds.
+            assert wait_until(lambda: store.stats()["tiers"][1]["state"] == CLOSED)
+            assert store.tiers[1].probes == 1 and broken.calls == 3
+            assert store.get("there") == b"v"
         lines = [r for r in caplog.records if "tier broken" in r.message and r.levelno >= logging.INFO]
         assert [r.levelno for r in lines] == [logging.WARNING, logging.INFO], [r.message for r in lines]
+    finally:
+        store.close()
+
+
+def test_expired_deadline_opens_the_breaker_at_once_and_callers_never_probe():
+    class Frozen(BrokenStore):
+        def _check(self):
+            self.calls += 1
+            if not self.up:
+                raise StoreTimeoutError("no answer within its deadline")
+
+    frozen = Frozen()
+    now = [0.0]
+    store = TieredStore([MemoryStore(), frozen], breaker_failures=3, breaker_cooldown="1s", clock=lambda: now[0])
+    try:
+        for i in range(10):
+            assert store.get(f"k{i}") is None
+        assert frozen.calls == 1 and store.stats()["tiers"][1]["state"] == OPEN  # one deadline, not three
+        now[0] += 1.0  # the cooldown is over: only the prober probes (and fails again)
+        assert wait_until(lambda: store.tiers[1].probes == 1 and store.tiers[1].breaker.state == OPEN)
+        for i in range(10):
+            assert store.get(f"k{i}") is None
+        assert frozen.calls == 2  # callers still skipped; the probe was the one more call
     finally:
         store.close()
 

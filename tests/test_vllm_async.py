@@ -13,12 +13,12 @@ import signal
 import time
 
 import pytest
+import vllm_model
+from test_vllm_connector import MAX_TOKENS, gen, run_engine
 
-from test_vllm_connector import MAX_TOKENS, gen, run_engine  # noqa: F401 - the shared engine runner
 from kvstore.stores import open_store
 from kvstore.testing.damage import flip_byte
 from kvstore.testing.proxy import ShapedProxy
-import vllm_model
 
 pytestmark = pytest.mark.vllm
 

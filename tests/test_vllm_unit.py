@@ -93,7 +93,7 @@ def test_options_are_validated_with_named_keys():
     assert o.store == ("memory://", "redis://h:6379/0") and o.chunk_tokens == 512 and o.flush_timeout == 0.5
     with pytest.raises(ConfigError, match="needs 'store'"):
         parse_options({})
-    with pytest.raises(ConfigError, match=r"unknown parameter 'chunk'.*accepted: chunk_tokens, codec"):
+    with pytest.raises(ConfigError, match=r"unknown parameter 'chunk'.*accepted: auth_key_env, .*chunk_tokens, codec"):
         parse_options({"store": "memory://", "chunk": 1})
     with pytest.raises(ConfigError, match="codec='gzip' is not accepted; use one of: raw"):
         parse_options({"store": "memory://", "codec": "gzip"})

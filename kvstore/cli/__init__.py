@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module with ``register(subparsers)``; ``COMMANDS`` lists them
 in help order. Expected problems (a bad URL, an unreachable store) end with one clear line on
-stderr and exit status 2, never a traceback.
+stderr and exit status 2, never a traceback; anything else (a bug) also ends with one line and
+exit status 1, the traceback only with ``--verbose``.
 """
 
 from __future__ import annotations
@@ -50,10 +51,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except KVStoreError as exc:
-        print(f"kvstore {args.command}: error: {exc}", file=sys.stderr)
+        print(f"kvstore {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug, or an error class we did not expect: still one line
+        if args.verbose:
+            logging.getLogger("kvstore.cli").exception("kvstore %s failed", args.command)
+        print(f"kvstore {args.command}: unexpected error: {type(exc).__name__}: {_one_line(exc)}"
+              + ("" if args.verbose else " (run with --verbose for the traceback)"), file=sys.stderr)
+        return 1
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -192,7 +192,8 @@ class KVTransfer:
                       max_tokens: int | None = None, *, skip_tokens: int = 0,
                       namespace: Namespace | None = None,
                       before_place: Callable[[ChunkKey, Record], None] | None = None,
-                      ) -> tuple[int, torch.Tensor | None]:
+                      hidden_dtype: torch.dtype | str | None = None,
+                      hidden_shape: Sequence[int] | None = None) -> tuple[int, torch.Tensor | None]:
         """Load the longest stored prefix of ``tokens`` into ``slots``.
 
         Only chunks ending at or before ``max_tokens`` are considered. Each chunk is verified
@@ -202,8 +203,10 @@ class KVTransfer:
         a block-granular layout it must be a whole number of blocks. ``namespace`` overrides
         the cache's. ``before_place(chunk, record)`` runs for each verified chunk before its KV
         is written; an exception from it stops the load there and propagates (a caller's
-        cancellation). Returns ``(tokens present: skip_tokens or the end of the loaded prefix,
-        hidden state of the last loaded token or None)``; the hidden state is a new CPU tensor.
+        cancellation). ``hidden_dtype``/``hidden_shape`` are what the caller's model consumes: a
+        record carrying another hidden state is a miss there, never a tensor the model cannot
+        take. Returns ``(tokens present: skip_tokens or the end of the loaded prefix, hidden
+        state of the last loaded token or None)``; the hidden state is a new CPU tensor.
         One batch read, no separate lookup: the records are fetched up to the first missing one.
         """
         arr = tokens_to_array(tokens)
@@ -221,7 +224,10 @@ class KVTransfer:
             self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
 
         result = self.cache.load(arr[:keys[-1].end], keys, sink,
-                                 shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace)
+                                 shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace,
+                                 hidden_dtype=dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype)
+                                 else hidden_dtype,
+                                 hidden_shape=hidden_shape)
         if self.on_cuda:
             assert self._stream is not None  # built with the transfer on CUDA
             torch.cuda.current_stream(self.device).wait_stream(self._stream)

@@ -4,6 +4,7 @@ Stores are a trust boundary: every record read back is validated field by field 
 its bytes are used, and nothing in it is ever unpickled.
 """
 
+from kvstore.record.auth import RecordAuth
 from kvstore.record.format import (
     DTYPES,
     FRAME_BYTES,
@@ -17,5 +18,6 @@ from kvstore.record.format import (
     read_header,
 )
 
-__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "Record", "RecordHeader", "decode_record", "encode_record", "encode_record_pieces",
+__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "Record", "RecordAuth", "RecordHeader", "decode_record", "encode_record",
+           "encode_record_pieces",
            "kv_nbytes", "read_header"]

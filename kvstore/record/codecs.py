@@ -30,6 +30,7 @@ CHAINS: dict[str, tuple[str, ...]] = {
     "shuffle-zstd": ("shuffle", "zstd"),
 }
 COMPRESSORS = ("lz4", "zstd")
+_SHUFFLES = ("shuffle2", "shuffle4", "shuffle8")
 
 
 def resolve_chain(name: str, itemsize: int) -> tuple[str, ...]:
@@ -49,18 +50,24 @@ def resolve_chain(name: str, itemsize: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def validate_chain(chain: Sequence[str]) -> None:
-    """Raise ``CorruptRecordError`` unless ``chain`` is one this version can decode."""
-    for i, step in enumerate(chain):
-        if not isinstance(step, str):
+def validate_chain(chain: Sequence[str], itemsize: int | None = None) -> None:
+    """Raise ``CorruptRecordError`` unless ``chain`` is one this version writes and can decode.
+
+    A decodable chain is what ``resolve_chain`` produces: empty, one compressor, or one
+    ``shuffle<N>`` filter followed by one compressor. With ``itemsize`` (the record's element
+    size) a shuffle filter must also split exactly that element size, as the encoder does.
+    """
+    steps = list(chain)
+    for step in steps:
+        if type(step) is not str:
             raise CorruptRecordError(f"codec entry {step!r} is not a name", "codec")
-        if step in COMPRESSORS:
-            if i != len(chain) - 1:
-                raise CorruptRecordError(f"compressor {step!r} must be the last codec in {list(chain)}", "codec")
-        elif step.startswith("shuffle") and step[7:] in ("2", "4", "8"):
-            continue
-        else:
+        if step not in COMPRESSORS and step not in _SHUFFLES:
             raise CorruptRecordError(f"unknown codec {step!r}", "codec")
+    if len(steps) > 2 or (steps and steps[-1] not in COMPRESSORS) or (len(steps) == 2 and steps[0] not in _SHUFFLES):
+        raise CorruptRecordError(f"codec chain {steps} is not one this version writes "
+                                 "(raw, a compressor, or shuffle then a compressor)", "codec")
+    if len(steps) == 2 and itemsize is not None and int(steps[0][7:]) != itemsize:
+        raise CorruptRecordError(f"codec {steps[0]} does not match the record's {itemsize}-byte elements", "codec")
 
 
 def _zstd() -> ModuleType:
@@ -83,8 +90,12 @@ def _unshuffle(data: Buffer, itemsize: int, out: memoryview | None) -> Buffer:
     arr = np.frombuffer(data, dtype=np.uint8)
     if arr.size % itemsize:
         raise CorruptRecordError(f"shuffled payload of {arr.size} bytes is not a multiple of {itemsize}", "codec")
-    planes = arr.reshape(itemsize, -1)
     target = np.empty(arr.size, np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
+    if target.size != arr.size:
+        # numpy would broadcast a short payload over the whole destination: never write then.
+        raise CorruptRecordError(f"shuffled payload of {arr.size} bytes for a {target.size}-byte destination",
+                                 "codec")
+    planes = arr.reshape(itemsize, -1)
     if itemsize == 2 and target.size:
         # Rebuild each 16-bit value arithmetically (little-endian: plane 0 is the low byte):
         # ~8x faster than interleaving bytes with a transposed copy, which walks one byte at a time.
@@ -115,12 +126,15 @@ def encode(chain: Sequence[str], data: Buffer) -> Buffer:
 def decode(chain: Sequence[str], data: Buffer, raw_len: int, out: memoryview | None = None) -> Buffer:
     """Invert ``chain``; the result is exactly ``raw_len`` bytes, written into ``out`` if given.
 
-    Raises ``CorruptRecordError`` for any malformed stream or length mismatch.
+    Raises ``CorruptRecordError`` for any malformed stream, trailing bytes after a compressed
+    stream or length mismatch, and ``ValueError`` if ``out`` is not ``raw_len`` bytes. ``out``
+    is written only once every step has succeeded and produced exactly ``raw_len`` bytes.
     """
     validate_chain(chain)
+    if out is not None and len(out) != raw_len:
+        raise ValueError(f"out buffer has {len(out)} bytes, record payload has {raw_len}")
     for i, step in enumerate(reversed(chain)):
         last = i == len(chain) - 1
-        target = out if last else None
         try:
             if step == "lz4":
                 import lz4.block
@@ -133,11 +147,14 @@ def decode(chain: Sequence[str], data: Buffer, raw_len: int, out: memoryview | N
                 declared = zstd.frame_content_size(data)
                 if declared not in (-1, raw_len):
                     raise CorruptRecordError(f"zstd frame declares {declared} bytes, header says {raw_len}", "codec")
-                data = zstd.ZstdDecompressor().decompress(data, max_output_size=raw_len)
+                # Exactly one frame: bytes after it are damage or a splice, never ignored.
+                data = zstd.ZstdDecompressor().decompress(data, max_output_size=raw_len, allow_extra_data=False)
             else:
-                data = _unshuffle(data, int(step[7:]), target)
-                if target is not None:
-                    return target
+                if len(data) != raw_len:
+                    raise CorruptRecordError(f"shuffled stream has {len(data)} bytes, header says {raw_len}", "codec")
+                data = _unshuffle(data, int(step[7:]), out if last else None)
+                if last and out is not None:
+                    return out
         except CorruptRecordError:
             raise
         except Exception as exc:  # every decompressor has its own error types
@@ -145,8 +162,6 @@ def decode(chain: Sequence[str], data: Buffer, raw_len: int, out: memoryview | N
         if len(data) != raw_len:
             raise CorruptRecordError(f"codec {step} produced {len(data)} bytes, header says {raw_len}", "codec")
     if out is not None:
-        if len(out) != raw_len:
-            raise ValueError(f"out buffer has {len(out)} bytes, record payload has {raw_len}")
         out[:] = data if isinstance(data, memoryview) else memoryview(data)
         return out
     return data

@@ -15,11 +15,19 @@ this chunk (16 B), ``start`` first token index, ``partial``, ``tokens`` the chun
 (uint32-le bytes), ``dtype``, ``shapes`` one shape per stored tensor (typically one per layer),
 ``hidden`` ``[dtype, shape]`` or nil, ``codecs`` the chain applied to the KV bytes, ``raw_len``
 decoded KV length, ``payload_len``, ``checksum`` xxh3-64 of the stored payload (8 B),
-``created`` unix seconds.
+``created`` unix seconds. A signed record (``auth``) adds, last, ``kid`` the 8-byte id of the
+deployment key and ``tag`` its keyed BLAKE3 tag (32 B), which covers the header bytes before
+the tag value and the whole payload; the header then ends with the msgpack bytes of
+``"tag": bin 32`` (``_TAG_MARKER``) and the tag. Unsigned records are byte for byte what this
+version wrote before tags existed, and readers that ignore the two fields read signed ones.
 
-``decode_record`` validates every field (and, when told what the reader expects, the
-namespace, key, tokens, dtype and shapes) before it returns anything; every failure is a
-``CorruptRecordError``. Records are never unpickled: msgpack for the header, raw bytes after.
+``decode_record`` accepts a record only if it is exactly what this version writes and what the
+reader expects: the frame, every header field (types, ranges, no unknown or repeated field),
+their consistency (codec chain against dtype and lengths, lengths against shapes, one
+compressed frame and no trailing bytes), then, when given, the reader's namespace, key,
+tokens, dtype, shapes, hidden state dtype and shape, destination size and keys; every failure
+is a ``CorruptRecordError``, raised before a byte reaches the caller's ``out``. Records are
+never unpickled: msgpack for the header, raw bytes after.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from kvstore.buffers import Lease, Pieces, byte_view
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import FORMAT_VERSION, ChunkKey, Namespace, TokenIds, tokens_to_array
 from kvstore.record import codecs
+from kvstore.record.auth import KEY_ID_BYTES, TAG_BYTES, TagKeys
 from kvstore.types import Buffer
 
 MAGIC = b"KVSR"
@@ -49,6 +58,12 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_RAW_BYTES = 4 << 30  # no record decodes to more: a lying header must not make us allocate without bound
 _MAX_COMPRESSION_RATIO = 300  # above lz4's and far above what KV data reaches (1.5)
 SUPPORTED_VERSIONS = (1,)
+_MAX_START = 1 << 40  # token positions
+_MAX_CREATED = 1e11  # unix seconds (year 5138): anything later is a lie, and so is NaN
+_TAG_MARKER = b"\xa3tag\xc4" + bytes([TAG_BYTES])  # msgpack: fixstr "tag", bin8 of 32 bytes
+_FIELDS = frozenset({"v", "ns", "key", "start", "partial", "tokens", "dtype", "shapes", "hidden", "codecs",
+                     "raw_len", "payload_len", "checksum", "created"})
+_SIGNED_FIELDS = frozenset({"kid", "tag"})
 
 #: dtype name -> element size. fp8 and integer types are stored raw (no shuffle benefit).
 DTYPES: dict[str, int] = {
@@ -75,6 +90,9 @@ class RecordHeader:
     payload_len: int
     checksum: bytes
     created: float
+    #: Signed records: the id of the deployment key and the tag (both None when unsigned).
+    key_id: bytes | None = None
+    tag: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -99,6 +117,7 @@ class RecordHeader:
             "hidden": None if self.hidden_dtype is None else {"dtype": self.hidden_dtype, "shape": list(self.hidden_shape or ())},
             "codecs": list(self.codecs), "raw_len": self.raw_len, "payload_len": self.payload_len,
             "checksum": self.checksum.hex(), "created": self.created,
+            "signed": None if self.key_id is None else {"key_id": self.key_id.hex()},
         }
 
 
@@ -129,6 +148,7 @@ def encode_record(
     chain: Sequence[str] = (),
     out: bytearray | None = None,
     created: float | None = None,
+    auth: TagKeys | None = None,
 ) -> bytes | memoryview:
     """Encode one chunk record into one buffer; see ``encode_record_pieces`` for the fields.
 
@@ -137,7 +157,7 @@ def encode_record(
     """
     pieces = encode_record_pieces(namespace=namespace, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes,
                                   kv=kv, hidden=hidden, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape,
-                                  chain=chain, created=created)
+                                  chain=chain, created=created, auth=auth)
     if out is None:
         return pieces.tobytes()
     if len(out) < pieces.nbytes:
@@ -161,6 +181,7 @@ def encode_record_pieces(
     chain: Sequence[str] = (),
     created: float | None = None,
     owner: Lease | None = None,
+    auth: TagKeys | None = None,
 ) -> Pieces:
     """Encode one chunk record as the pieces a store sends in order: frame and header, then the
     payload (the KV bytes after the codec chain, then the hidden state), never joined.
@@ -168,7 +189,9 @@ def encode_record_pieces(
     ``tokens`` are the chunk's own tokens (``chunk.num_tokens`` of them). ``kv`` holds the
     tensors of ``shapes`` back to back in ``dtype``. With the raw codec the payload pieces are
     views of ``kv`` and ``hidden`` themselves (no copy): ``owner``, the lease holding them, goes
-    with the pieces so a store that keeps the value past the call can retain it.
+    with the pieces so a store that keeps the value past the call can retain it. With ``auth``
+    (the tenant's keys: ``RecordAuth.for_salt(namespace.cache_salt)``) the record is signed with
+    the current key.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
@@ -198,7 +221,7 @@ def encode_record_pieces(
     hasher.update(body)
     if hidden_view is not None:
         hasher.update(hidden_view)
-    header = msgpack.packb({
+    fields: dict[str, Any] = {
         "v": FORMAT_VERSION,
         "ns": namespace.digest,
         "key": chunk.digest,
@@ -213,9 +236,18 @@ def encode_record_pieces(
         "payload_len": payload_len,
         "checksum": hasher.digest(),
         "created": float(time.time() if created is None else created),
-    }, use_bin_type=True)
+    }
+    if auth is not None:
+        fields["kid"] = auth.key_id
+        fields["tag"] = bytes(TAG_BYTES)  # a placeholder of the tag's size, replaced below
+    header = msgpack.packb(fields, use_bin_type=True)
+    payload = [body] + ([hidden_view] if hidden_view is not None else [])
+    if auth is not None:
+        signed = header[:-TAG_BYTES]
+        assert signed.endswith(_TAG_MARKER)  # dicts pack in insertion order: the tag is last
+        header = signed + auth.sign([signed, *payload])
     head = _FRAME.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header)) + header
-    return Pieces([head, body] + ([hidden_view] if hidden_view is not None else []), owner=owner)
+    return Pieces([head, *payload], owner=owner)
 
 
 def _fail(message: str, reason: str) -> CorruptRecordError:
@@ -235,14 +267,26 @@ def _bytes(value: Any, name: str, size: int | None = None) -> bytes:
 
 
 def _shape(value: Any, name: str) -> tuple[int, ...]:
-    if type(value) is not list or len(value) > 16:
-        raise _fail(f"header field {name}={value!r} is not a shape", "header")
+    if type(value) is not list or not 1 <= len(value) <= 16:
+        raise _fail(f"header field {name}={value!r} is not a shape of 1 to 16 dimensions", "header")
     return tuple(_int(d, name, 0, 1 << 40) for d in value)
 
 
-def read_header(data: Buffer) -> RecordHeader:
-    """Parse and validate the frame and header of a record (not its payload checksum)."""
-    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+def _dtype(value: Any, name: str) -> str:
+    if type(value) is not str or value not in DTYPES:
+        raise _fail(f"header field {name}={value!r} is not a known dtype", "header")
+    return value
+
+
+def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a map repeats a key")  # two values for one field: which would a reader believe?
+    return out
+
+
+def _frame(view: memoryview) -> tuple[int, memoryview]:
+    """The format version and header bytes of a record, after checking its frame."""
     if len(view) < FRAME_BYTES:
         raise _fail(f"record of {len(view)} bytes is shorter than its frame", "truncated")
     magic, version, reserved, header_len, header_crc = _FRAME.unpack_from(view, 0)
@@ -250,105 +294,117 @@ def read_header(data: Buffer) -> RecordHeader:
         raise _fail(f"not a kvstore record (magic {bytes(magic)!r})", "foreign")
     if version not in SUPPORTED_VERSIONS:
         raise _fail(f"record format version {version} is not supported (this build reads {SUPPORTED_VERSIONS})", "version")
-    if reserved != 0 or header_len > MAX_HEADER_BYTES:
-        raise _fail("record frame is malformed", "header")
+    if reserved != 0 or not 0 < header_len <= MAX_HEADER_BYTES:
+        raise _fail(f"record frame is malformed (reserved {reserved}, header length {header_len})", "header")
     if FRAME_BYTES + header_len > len(view):
         raise _fail(f"record truncated inside its header ({len(view)} bytes)", "truncated")
     header_bytes = view[FRAME_BYTES:FRAME_BYTES + header_len]
     if zlib.crc32(header_bytes) != header_crc:
         raise _fail("record header checksum mismatch", "checksum")
+    return version, header_bytes
+
+
+def _fields(header_bytes: memoryview) -> dict[str, Any]:
     try:
         h = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, use_list=True,
                             max_bin_len=MAX_HEADER_BYTES, max_str_len=1 << 12,
-                            max_array_len=1 << 16, max_map_len=64)
+                            max_array_len=1 << 16, max_map_len=64, object_pairs_hook=_unique_map)
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise _fail(f"record header is not valid msgpack: {exc}", "header") from exc
     if type(h) is not dict:
         raise _fail("record header is not a map", "header")
-    try:
-        v = _int(h["v"], "v")
-        if v != version:
-            raise _fail(f"header version {v} disagrees with frame version {version}", "header")
-        dtype = h["dtype"]
-        if type(dtype) is not str or dtype not in DTYPES:
-            raise _fail(f"record dtype {dtype!r} is not known", "header")
-        shapes_raw = h["shapes"]
-        if type(shapes_raw) is not list or len(shapes_raw) > 4096:
-            raise _fail("header field shapes is not a list of shapes", "header")
-        shapes = tuple(_shape(s, "shapes") for s in shapes_raw)
-        hidden = h["hidden"]
-        hidden_dtype = hidden_shape = None
-        if hidden is not None:
-            if type(hidden) is not list or len(hidden) != 2 or type(hidden[0]) is not str or hidden[0] not in DTYPES:
-                raise _fail("header field hidden is malformed", "header")
-            hidden_dtype, hidden_shape = hidden[0], _shape(hidden[1], "hidden")
-        chain = h["codecs"]
-        if type(chain) is not list:
-            raise _fail("header field codecs is not a list", "header")
-        codecs.validate_chain(chain)
-        tokens = _bytes(h["tokens"], "tokens")
-        if len(tokens) % 4:
-            raise _fail("header field tokens is not a whole number of uint32", "header")
-        partial = h["partial"]
-        if type(partial) is not bool:
-            raise _fail("header field partial is not a boolean", "header")
-        created = h["created"]
-        if type(created) not in (float, int):
-            raise _fail("header field created is not a number", "header")
-        header = RecordHeader(
-            version=v,
-            namespace=_bytes(h["ns"], "ns", 32),
-            key=_bytes(h["key"], "key", 16),
-            start=_int(h["start"], "start"),
-            partial=partial,
-            tokens=tokens,
-            dtype=dtype,
-            shapes=shapes,
-            hidden_dtype=hidden_dtype,
-            hidden_shape=hidden_shape,
-            codecs=tuple(chain),
-            raw_len=_int(h["raw_len"], "raw_len"),
-            payload_len=_int(h["payload_len"], "payload_len"),
-            checksum=_bytes(h["checksum"], "checksum", 8),
-            created=float(created),
-        )
-    except KeyError as exc:
-        raise _fail(f"record header lacks field {exc}", "header") from exc
-    if header.raw_len != kv_nbytes(header.dtype, header.shapes):
-        raise _fail(f"raw_len {header.raw_len} disagrees with shapes {header.shapes}", "header")
-    if header.raw_len > MAX_RAW_BYTES or (
-            header.codecs and header.raw_len > _MAX_COMPRESSION_RATIO * header.payload_len + 4096):
-        raise _fail(f"raw_len {header.raw_len} is implausible for a {header.payload_len}-byte payload", "header")
-    if header.hidden_len > header.payload_len:
-        raise _fail("hidden state is larger than the payload", "header")
-    if not header.codecs and header.payload_len != header.raw_len + header.hidden_len:
-        raise _fail("payload_len disagrees with raw_len for an uncompressed record", "header")
-    actual = len(view) - FRAME_BYTES - header_len
-    if actual != header.payload_len:
-        reason = "truncated" if actual < header.payload_len else "header"
-        raise _fail(f"record payload has {actual} bytes, header says {header.payload_len}", reason)
+    names = set(h)
+    signed = names & _SIGNED_FIELDS
+    if names - _FIELDS - _SIGNED_FIELDS or _FIELDS - names or signed not in (set(), _SIGNED_FIELDS):
+        unknown, missing = sorted(map(repr, names - _FIELDS - _SIGNED_FIELDS)), sorted(_FIELDS - names)
+        raise _fail(f"record header fields are not this version's (unknown {unknown}, missing {missing}, "
+                    f"signature fields {sorted(signed)})", "header")
+    if signed:
+        tag = _bytes(h["tag"], "tag", TAG_BYTES)
+        _bytes(h["kid"], "kid", KEY_ID_BYTES)
+        if bytes(header_bytes[-len(_TAG_MARKER) - TAG_BYTES:]) != _TAG_MARKER + tag:
+            raise _fail("record tag is not the last header field", "header")
+    return h
+
+
+def read_header(data: Buffer) -> RecordHeader:
+    """Parse and validate the frame and header of a record (not its payload checksum or tag)."""
+    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+    version, header_bytes = _frame(view)
+    h = _fields(header_bytes)
+    v = _int(h["v"], "v")
+    if v != version:
+        raise _fail(f"header version {v} disagrees with frame version {version}", "header")
+    dtype = _dtype(h["dtype"], "dtype")
+    shapes_raw = h["shapes"]
+    if type(shapes_raw) is not list or not 1 <= len(shapes_raw) <= 4096:
+        raise _fail("header field shapes is not a list of 1 to 4096 shapes", "header")
+    shapes = tuple(_shape(s, "shapes") for s in shapes_raw)
+    hidden = h["hidden"]
+    hidden_dtype = hidden_shape = None
+    if hidden is not None:
+        if type(hidden) is not list or len(hidden) != 2:
+            raise _fail("header field hidden is not [dtype, shape]", "header")
+        hidden_dtype, hidden_shape = _dtype(hidden[0], "hidden"), _shape(hidden[1], "hidden")
+    chain = h["codecs"]
+    if type(chain) is not list:
+        raise _fail("header field codecs is not a list", "header")
+    codecs.validate_chain(chain, DTYPES[dtype])
+    tokens = _bytes(h["tokens"], "tokens")
+    if not tokens or len(tokens) % 4:
+        raise _fail("header field tokens is not one or more uint32", "header")
+    partial = h["partial"]
+    if type(partial) is not bool:
+        raise _fail("header field partial is not a boolean", "header")
+    created = h["created"]
+    if type(created) not in (float, int) or not 0 <= created < _MAX_CREATED:  # NaN fails too
+        raise _fail(f"header field created={created!r} is not a time", "header")
+    header = RecordHeader(
+        version=v,
+        namespace=_bytes(h["ns"], "ns", 32),
+        key=_bytes(h["key"], "key", 16),
+        start=_int(h["start"], "start", 0, _MAX_START),
+        partial=partial,
+        tokens=tokens,
+        dtype=dtype,
+        shapes=shapes,
+        hidden_dtype=hidden_dtype,
+        hidden_shape=hidden_shape,
+        codecs=tuple(chain),
+        raw_len=_int(h["raw_len"], "raw_len"),
+        payload_len=_int(h["payload_len"], "payload_len"),
+        checksum=_bytes(h["checksum"], "checksum", 8),
+        created=float(created),
+        key_id=h.get("kid"),
+        tag=h.get("tag"),
+    )
+    _check_lengths(header, len(view) - FRAME_BYTES - len(header_bytes))
     return header
 
 
-def decode_record(
-    data: Buffer,
-    *,
-    namespace: Namespace | None = None,
-    chunk: ChunkKey | None = None,
-    tokens: TokenIds | None = None,
-    dtype: str | None = None,
-    shapes: Sequence[Sequence[int]] | None = None,
-    out: memoryview | None = None,
-) -> Record:
-    """Validate and decode a record. Every expectation given is checked before returning.
+def _check_lengths(header: RecordHeader, actual: int) -> None:
+    """Lengths against shapes, codecs and the bytes present: a lying header never sizes a buffer."""
+    if header.raw_len != kv_nbytes(header.dtype, header.shapes):
+        raise _fail(f"raw_len {header.raw_len} disagrees with shapes {header.shapes}", "header")
+    body_len = header.payload_len - header.hidden_len
+    if header.raw_len > MAX_RAW_BYTES or header.hidden_len > MAX_RAW_BYTES or (
+            header.codecs and header.raw_len > _MAX_COMPRESSION_RATIO * body_len + 4096):
+        raise _fail(f"raw_len {header.raw_len} is implausible for a {header.payload_len}-byte payload", "header")
+    if body_len < (1 if header.codecs else 0):
+        raise _fail(f"hidden state ({header.hidden_len} bytes) leaves no room for the KV in the payload", "header")
+    if not header.codecs and body_len != header.raw_len:
+        raise _fail("payload_len disagrees with raw_len for an uncompressed record", "header")
+    if header.start + header.num_tokens > _MAX_START:
+        raise _fail(f"record tokens end past {_MAX_START}", "header")
+    if actual != header.payload_len:
+        reason = "truncated" if actual < header.payload_len else "header"
+        raise _fail(f"record payload has {actual} bytes, header says {header.payload_len}", reason)
 
-    ``tokens`` are the chunk's own token ids as the reader sees them: a record whose tokens
-    differ (a hash collision, a foreign writer) is rejected. With ``out`` (exactly ``raw_len``
-    bytes) the KV bytes are written there; otherwise ``Record.kv`` is a view of ``data`` for
-    uncompressed records (no copy) or a new buffer.
-    """
-    header = read_header(data)
-    view = memoryview(data).cast("B")
+
+def _expect(header: RecordHeader, namespace: Namespace | None, chunk: ChunkKey | None, tokens: TokenIds | None,
+            dtype: str | None, shapes: Sequence[Sequence[int]] | None, hidden_dtype: str | None,
+            hidden_shape: Sequence[int] | None, out: memoryview | None) -> None:
+    """The reader's expectations, all checked before the payload is read."""
     if namespace is not None and header.namespace != namespace.digest:
         raise _fail("record belongs to another namespace", "namespace")
     if chunk is not None:
@@ -363,21 +419,58 @@ def decode_record(
         raise _fail(f"record dtype {header.dtype} differs from expected {dtype}", "shape")
     if shapes is not None and header.shapes != tuple(tuple(int(d) for d in s) for s in shapes):
         raise _fail(f"record shapes {list(header.shapes)} differ from expected", "shape")
+    if header.hidden_dtype is not None:
+        if hidden_dtype is not None and header.hidden_dtype != hidden_dtype:
+            raise _fail(f"record hidden state is {header.hidden_dtype}, expected {hidden_dtype}", "shape")
+        if hidden_shape is not None and header.hidden_shape != tuple(int(d) for d in hidden_shape):
+            raise _fail(f"record hidden state has shape {list(header.hidden_shape or ())}, "
+                        f"expected {list(hidden_shape)}", "shape")
+    if out is not None and out.nbytes != header.raw_len:
+        raise _fail(f"record decodes to {header.raw_len} bytes, the destination holds {out.nbytes}", "shape")
+
+
+def decode_record(
+    data: Buffer,
+    *,
+    namespace: Namespace | None = None,
+    chunk: ChunkKey | None = None,
+    tokens: TokenIds | None = None,
+    dtype: str | None = None,
+    shapes: Sequence[Sequence[int]] | None = None,
+    out: memoryview | None = None,
+    hidden_dtype: str | None = None,
+    hidden_shape: Sequence[int] | None = None,
+    auth: TagKeys | None = None,
+) -> Record:
+    """Validate and decode a record. Every expectation given is checked before returning.
+
+    ``tokens`` are the chunk's own token ids as the reader sees them: a record whose tokens
+    differ (a hash collision, a foreign writer) is rejected. ``hidden_dtype``/``hidden_shape``
+    are what the reader's model would consume: a record whose hidden state differs is rejected
+    (a record without one is accepted, ``Record.hidden`` is then None). With ``auth`` (the
+    tenant's keys) only a record signed with an accepted key whose tag verifies is accepted.
+    With ``out`` (a byte buffer of exactly ``raw_len`` bytes, else the record is rejected) the
+    KV bytes are written there, only once the record is accepted; otherwise ``Record.kv`` is a
+    view of ``data`` for uncompressed records (no copy) or a new buffer.
+    """
+    header = read_header(data)
+    view = memoryview(data).cast("B")
+    if out is not None and (out.format != "B" or out.ndim != 1):
+        out = out.cast("B")
+    _expect(header, namespace, chunk, tokens, dtype, shapes, hidden_dtype, hidden_shape, out)
     payload = view[len(view) - header.payload_len:]
     if xxhash.xxh3_64_digest(payload) != header.checksum:
         raise _fail("record payload checksum mismatch", "checksum")
+    if auth is not None:
+        end = len(view) - header.payload_len - (TAG_BYTES if header.tag is not None else 0)
+        auth.check(header.key_id, header.tag, (view[FRAME_BYTES:end], payload))
     body = payload[:header.payload_len - header.hidden_len]
     hidden = payload[header.payload_len - header.hidden_len:] if header.hidden_len else None
     if header.codecs:
         kv = codecs.decode(header.codecs, body, header.raw_len, out)
+    elif out is not None:
+        out[:] = body
+        kv = out
     else:
-        if len(body) != header.raw_len:
-            raise _fail("uncompressed payload length mismatch", "header")
-        if out is not None:
-            if len(out) != header.raw_len:
-                raise ValueError(f"out buffer has {len(out)} bytes, record payload has {header.raw_len}")
-            out[:] = body
-            kv = out
-        else:
-            kv = body
+        kv = body
     return Record(header, kv, hidden)

@@ -66,7 +66,7 @@ class FileStore(Store):
         try:
             self._data.mkdir(parents=True, exist_ok=True)
             self._tmp.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path (file:///a%00b)
             raise ConfigError(f"file store path {config.path!r} is not usable: {exc}") from exc
         self._lock = threading.Lock()
 

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvstore.config import redact_url
+from kvstore.config import check_url, redact_url
 from kvstore.errors import ConfigError
 from kvstore.stores.base import Store
 
@@ -101,11 +101,17 @@ def open_backend(url: str) -> Store:
     """The single store ``url`` names (``open_store`` also builds tiered stores from lists)."""
     if not isinstance(url, str):
         raise ConfigError(f"a store URL must be a string, got {type(url).__name__}")
+    check_url(url)
     if "://" not in url:
         raise ConfigError(f"store URL {redact_url(url)!r} has no scheme; accepted: {_accepted()}")
     try:
         scheme = urlsplit(url).scheme.lower()
     except ValueError as exc:
         raise ConfigError(f"store URL {redact_url(url)!r} is not valid: {exc}") from exc
-    store: Store = backend_class(scheme).from_url(url)  # type: ignore[attr-defined]
+    try:
+        store: Store = backend_class(scheme).from_url(url)  # type: ignore[attr-defined]
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, OverflowError, OSError) as exc:  # a backend's own parsing, past our checks
+        raise ConfigError(f"store URL {redact_url(url)!r} is not usable: {type(exc).__name__}: {exc}") from exc
     return store

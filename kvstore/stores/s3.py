@@ -1,9 +1,17 @@
 """``s3://bucket/prefix`` — an S3 (or S3-compatible) store on boto3.
 
-One object per key, under ``prefix``. Batch operations run in parallel on a bounded thread pool
-(``max_workers``, also the size of boto3's connection pool): S3 answers each request slowly but
-many at once. A miss (404 / NoSuchKey) is ``None``; a connection error, a timeout, a 5xx, a
-throttle or an access error becomes ``StoreUnavailableError`` raised from the botocore error.
+One object per key, under ``prefix``. Batch operations run in parallel on bounded thread pools
+(``max_workers`` threads each, also the size of each boto3 connection pool): S3 answers each
+request slowly but many at once. Reads, lookups and deletes (the engine's critical path) and
+writes (the background writer's uploads) have separate clients, connection pools and thread
+pools, so a lookup never queues behind an upload. A miss (404 / NoSuchKey) is ``None``; a
+connection error, a timeout, a 5xx, a throttle or an access error becomes
+``StoreUnavailableError`` raised from the botocore error.
+
+Deadlines: one read, lookup or delete call, retries included, returns within ``deadline``
+(a hard bound: the caller stops waiting then and gets ``StoreTimeoutError``, whatever botocore's
+retries and backoff are still doing on the pool thread); each attempt's socket reads wait at
+most ``timeout``. Uploads wait at most ``write_timeout`` per socket read.
 Nothing is cached here, misses included: an object written by another replica is found on the
 next lookup.
 
@@ -14,26 +22,27 @@ S3's own checksums are off (``when_required``): every record carries its own che
 when it is decoded, and S3 over TLS already protects the transfer.
 
 URL: ``s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000&region=us-east-1&max_workers=16
-&timeout=10s&connect_timeout=2s&retries=1&addressing_style=path&profile=NAME``.
+&deadline=2s&timeout=1s&connect_timeout=500ms&retries=1&write_timeout=30s&addressing_style=path&profile=NAME``.
 """
 
 from __future__ import annotations
 
 import io
+import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import boto3
 import botocore.exceptions
 from botocore.config import Config as BotoConfig
 
 from kvstore.buffers import Pieces
-from kvstore.config import build, option, query_options, redact_url
-from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.config import build, check_range, option, query_options, redact_url, split_url
+from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import Store, Value, WriteValue
 
 T = TypeVar("T")
@@ -41,6 +50,9 @@ R = TypeVar("R")
 
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
 _DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
+MAX_TIMEOUT = 300.0
+_BUCKET = re.compile(r"^[A-Za-z0-9._-]{1,255}$", re.ASCII)  # S3's rules, and the legacy names AWS still serves
+_TIMEOUTS = (botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectTimeoutError)
 
 
 @dataclass(frozen=True)
@@ -52,26 +64,41 @@ class S3Config:
     profile: str = option("", help="Named profile from the shared AWS config files.")
     addressing_style: str = option("", choices=("", "auto", "path", "virtual"),
                                    help="Bucket in the path or the host name; default path with endpoint_url.")
-    max_workers: int = option(16, help="Parallel requests (thread pool and connection pool size).")
-    timeout: float = option(10.0, kind="duration", help="Deadline of each socket read.")
-    connect_timeout: float = option(2.0, kind="duration", help="Deadline to connect.")
-    retries: int = option(1, help="Retries of a failed request (boto3 standard mode).")
+    max_workers: int = option(16, help="Parallel requests: threads and connections for reads, and as many for writes.")
+    deadline: float = option(
+        2.0, kind="duration", help="Longest one read, lookup or delete call may take, retries included (the engine's "
+        "critical path); then it is a miss and the circuit breaker skips the tier.")
+    timeout: float = option(1.0, kind="duration", help="Deadline of each socket read of a read, lookup or delete attempt.")
+    connect_timeout: float = option(0.5, kind="duration", help="Deadline to connect.")
+    write_timeout: float = option(30.0, kind="duration", help="Deadline of each socket read of a background upload.")
+    retries: int = option(1, help="Retries of a failed request (boto3 standard mode), 0 to 10; reads retry only "
+                                  "within deadline.")
 
     def __post_init__(self) -> None:
         if not self.bucket:
             raise ConfigError("s3:// needs a bucket: s3://bucket/prefix")
-        if self.max_workers < 1:
-            raise ConfigError(f"max_workers={self.max_workers} must be at least 1")
-        if self.retries < 0:
-            raise ConfigError(f"retries={self.retries} must not be negative")
-        if self.timeout <= 0 or self.connect_timeout <= 0:
-            raise ConfigError("timeout and connect_timeout must be positive: every remote call has a deadline")
-        if self.endpoint_url and urlsplit(self.endpoint_url).scheme not in ("http", "https"):
-            raise ConfigError(f"endpoint_url={self.endpoint_url!r} must be an http:// or https:// URL")
+        if not _BUCKET.match(self.bucket):
+            raise ConfigError(f"bucket {self.bucket!r} is not an S3 bucket name (letters, digits, dots, hyphens "
+                              "and underscores)")
+        check_range("max_workers", self.max_workers, 1, 256)
+        check_range("retries", self.retries, 0, 10)
+        for name in ("deadline", "timeout", "connect_timeout", "write_timeout"):
+            value = getattr(self, name)
+            if not 0 < value <= MAX_TIMEOUT:  # NaN fails too
+                raise ConfigError(f"{name}={value!r} is out of range; accepted: more than 0 and at most "
+                                  f"{MAX_TIMEOUT:g}s (every remote call has a deadline)")
+        if self.endpoint_url:
+            endpoint = split_url(self.endpoint_url, name="endpoint_url")
+            try:
+                endpoint.port  # noqa: B018  (a property: raises for a port that is not a number)
+            except ValueError as exc:
+                raise ConfigError(f"endpoint_url={self.endpoint_url!r} is not a valid URL: {exc}") from None
+            if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
+                raise ConfigError(f"endpoint_url={self.endpoint_url!r} must be an http:// or https:// URL with a host")
 
     @classmethod
     def from_url(cls, url: str) -> S3Config:
-        parts = urlsplit(url)
+        parts = split_url(url)
         if parts.scheme.lower() != "s3":
             raise ConfigError(f"{redact_url(url)!r} is not an s3:// URL")
         if "@" in parts.netloc:
@@ -151,28 +178,34 @@ class S3Store(Store):
 
     def __init__(self, config: S3Config) -> None:
         self.config = config
-        c = config
+        try:
+            self._session = boto3.session.Session(profile_name=config.profile or None)
+            # Building a client does no network I/O: the store works once S3 is reachable.
+            self._client = self._make_client(self._session, config.timeout)
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise ConfigError(f"profile={config.profile!r} is not in the AWS config files") from exc
+        except botocore.exceptions.NoRegionError as exc:
+            raise ConfigError("no AWS region: give ?region= or set AWS_DEFAULT_REGION") from exc
+        except ValueError as exc:  # botocore's own checks of the endpoint, region...
+            raise ConfigError(f"s3://{config.bucket}: {exc}") from exc
+        self._writes: Any = None  # the uploads' client, built on the first write (a reader never needs it)
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._pool_lock = threading.Lock()
+
+    def _make_client(self, session: Any, read_timeout: float) -> Any:
+        c = self.config
         style = c.addressing_style or ("path" if c.endpoint_url else "auto")
         boto_config = BotoConfig(
             region_name=c.region or None,
             connect_timeout=c.connect_timeout,
-            read_timeout=c.timeout,
+            read_timeout=read_timeout,
             retries={"mode": "standard", "max_attempts": c.retries + 1},
             max_pool_connections=c.max_workers,
             s3={"addressing_style": style, "payload_signing_enabled": False},
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        try:
-            session = boto3.session.Session(profile_name=c.profile or None)
-            # Building a client does no network I/O: the store works once S3 is reachable.
-            self._client = session.client("s3", endpoint_url=c.endpoint_url or None, config=boto_config)
-        except botocore.exceptions.ProfileNotFound as exc:
-            raise ConfigError(f"profile={c.profile!r} is not in the AWS config files") from exc
-        except botocore.exceptions.NoRegionError as exc:
-            raise ConfigError("no AWS region: give ?region= or set AWS_DEFAULT_REGION") from exc
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
+        return session.client("s3", endpoint_url=c.endpoint_url or None, config=boto_config)
 
     @classmethod
     def from_url(cls, url: str) -> S3Store:
@@ -192,22 +225,46 @@ class S3Store(Store):
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
             raise self._unavailable(exc) from exc
 
-    def _unavailable(self, exc: BaseException) -> StoreUnavailableError:
-        return StoreUnavailableError(f"s3://{self.config.bucket}/{self.config.prefix} "
-                                     f"({self.config.endpoint_url or 'AWS'}): {type(exc).__name__}: {exc}")
+    def _unavailable(self, exc: BaseException | str) -> StoreUnavailableError:
+        what = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        cls = StoreTimeoutError if isinstance(exc, (str, *_TIMEOUTS)) else StoreUnavailableError
+        return cls(f"s3://{self.config.bucket}/{self.config.prefix} ({self.config.endpoint_url or 'AWS'}): {what}")
+
+    def _pool(self, kind: str) -> ThreadPoolExecutor:
+        pool = self._pools.get(kind)
+        if pool is None:
+            with self._pool_lock:
+                pool = self._pools.get(kind)
+                if pool is None:
+                    pool = self._pools[kind] = ThreadPoolExecutor(self.config.max_workers,
+                                                                  thread_name_prefix=f"kvstore-s3-{kind}")
+        return pool
 
     def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        """``fn`` over ``items`` on the thread pool, results in order; the first error is raised."""
+        """``fn`` over ``items`` on the write pool, results in order; the first error is raised."""
         if len(items) <= 1:
             return [fn(i) for i in items]
-        if self._pool is None:
-            with self._pool_lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="kvstore-s3")
-        return list(self._pool.map(fn, items))
+        return list(self._pool("write").map(fn, items))
+
+    def _read(self, fn: Callable[[T], R], items: Sequence[T], end: float | None = None) -> list[R]:
+        """``fn`` over ``items`` on the read pool, results in order, all within ``end`` (default:
+        ``deadline`` from now); ``StoreTimeoutError`` once it has passed, the first error otherwise."""
+        if not items:
+            return []
+        end = time.monotonic() + self.config.deadline if end is None else end
+        futures: list[Future[R]] = [self._pool("read").submit(fn, i) for i in items]
+        _, pending = wait(futures, timeout=max(0.0, end - time.monotonic()))
+        if pending:
+            for f in pending:
+                f.cancel()  # those not started yet; the rest end by their socket timeouts
+            raise self._unavailable(f"no answer within deadline={self.config.deadline:g}s")
+        return [f.result() for f in futures]
 
     # -- the small contract --------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
+        return self._read(self._get, [key])[0]
+
+    def _get(self, key: str) -> bytes | None:
         try:
             response = self._call(self._client.get_object, Key=self._key(key))
         except _Missing:
@@ -225,7 +282,14 @@ class S3Store(Store):
             raise
 
     def put(self, key: str, value: WriteValue) -> None:
-        self._call(self._client.put_object, Key=self._key(key), Body=_body(value))
+        self._call(self._write_client().put_object, Key=self._key(key), Body=_body(value))
+
+    def _write_client(self) -> Any:
+        if self._writes is None:
+            with self._pool_lock:
+                if self._writes is None:
+                    self._writes = self._make_client(self._session, self.config.write_timeout)
+        return self._writes
 
     def _head(self, key: str) -> int | None:
         try:
@@ -234,14 +298,10 @@ class S3Store(Store):
             return None
 
     def exists(self, key: str) -> bool:
-        return self._head(key) is not None
+        return self._read(self._head, [key])[0] is not None
 
     def delete(self, key: str) -> bool:
-        # S3 answers a DELETE the same whether the object existed or not: ask first.
-        if not self.exists(key):
-            return False
-        self._call(self._client.delete_object, Key=self._key(key))
-        return True
+        return self.delete_many([key]) == 1
 
     def iter_keys(self, prefix: str = "") -> Iterator[str]:
         cut = len(self.config.prefix)
@@ -255,7 +315,7 @@ class S3Store(Store):
 
     # -- batch forms: parallel requests ----------------------------------------------------------
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
-        return self._map(self.get, list(keys))
+        return self._read(self._get, list(keys))
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         self._map(lambda kv: self.put(*kv), list(items))
@@ -264,18 +324,24 @@ class S3Store(Store):
         return [size is not None for size in self.size_many(keys)]
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
-        return self._map(self._head, list(keys))
+        return self._read(self._head, list(keys))
 
     def delete_many(self, keys: Sequence[str]) -> int:
+        # S3 answers a DELETE the same whether the object existed or not: ask first.
+        end = time.monotonic() + self.config.deadline
         keys = list(keys)
-        present = [k for k, p in zip(keys, self.exists_many(keys)) if p]
-        for i in range(0, len(present), _DELETE_BATCH):
-            objects = [{"Key": self._key(k)} for k in present[i:i + _DELETE_BATCH]]
+        present = [k for k, size in zip(keys, self._read(self._head, keys, end)) if size is not None]
+
+        def delete(batch: list[str]) -> None:
+            objects = [{"Key": self._key(k)} for k in batch]
             self._call(self._client.delete_objects, Delete={"Objects": objects, "Quiet": True})
+
+        self._read(delete, [present[i:i + _DELETE_BATCH] for i in range(0, len(present), _DELETE_BATCH)], end)
         return len(present)
 
     def longest_prefix(self, keys: Sequence[str]) -> int:
-        """Parallel HEADs, a window of ``max_workers`` keys at a time, stopping at the first gap.
+        """Parallel HEADs, a window of ``max_workers`` keys at a time, stopping at the first gap,
+        all within one ``deadline``.
 
         Why not a binary search: it needs log2(n) *sequential* round trips (9 for 512 chunks,
         each ~1 ms here and 10-30 ms on AWS) and it is wrong when presence is not monotonic (a
@@ -283,27 +349,33 @@ class S3Store(Store):
         parallel HEADs costs one round trip per ``max_workers`` keys and is exact.
         """
         window = self.config.max_workers
+        end = time.monotonic() + self.config.deadline
         for start in range(0, len(keys), window):
-            present = self.exists_many(keys[start:start + window])
-            for i, p in enumerate(present):
-                if not p:
+            sizes = self._read(self._head, keys[start:start + window], end)
+            for i, size in enumerate(sizes):
+                if size is None:
                     return start + i
         return len(keys)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
         with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            # Reads waited for no longer than their deadline; a thread still stuck on a frozen
+            # server ends by its socket timeout, so waiting here would only delay shutdown.
+            pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+        if self._writes is not None:
+            self._writes.close()
 
     @property
     def deadline(self) -> float:
-        c = self.config
-        return (c.connect_timeout + c.timeout) * (1 + c.retries)
+        """One read, lookup or delete call, retries included (uploads run in the background)."""
+        return self.config.deadline
 
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {"store": "s3", "bucket": c.bucket, "prefix": c.prefix, "endpoint_url": c.endpoint_url,
-                "region": c.region, "profile": c.profile, "max_workers": c.max_workers, "timeout": c.timeout}
+                "region": c.region, "profile": c.profile, "max_workers": c.max_workers, "deadline": c.deadline,
+                "timeout": c.timeout, "write_timeout": c.write_timeout}

@@ -28,6 +28,12 @@ per-layer paged caches; ``model_executable.model.start_layer/end_layer`` (pipeli
 A prefill sequence with cached context (``context_lens_tensor[i] > 0``) is skipped: the V0
 batch does not carry its earlier tokens, so its keys cannot be computed.
 
+Stored hidden states are used only when they are what this engine's model consumes: the
+agent expects ``[hidden_size]`` in the model's dtype, read from ``model_executable`` (its or
+its ``.model``'s ``config.hidden_size`` and ``dtype``). A record whose hidden state differs is
+a miss; when the model does not say, stored hidden states are never used (the last prompt
+token is always computed).
+
 The agent never raises a storage error: an outage or a bad record is a miss.
 """
 
@@ -46,6 +52,7 @@ from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.paged import KVTransfer, PagedLayout, dtype_name, get_layout
 from kvstore.prefix_cache import PrefixCache
+from kvstore.record.auth import RecordAuth
 from kvstore.stores import Store, TieredStore
 
 __all__ = ["KVStoreAgent", "AgentStats"]
@@ -78,6 +85,8 @@ class KVStoreAgent:
         self._rebuilt: tuple[Any, list[PrefillSeq], list[int]] | None = None
         self._bypassed: Any = None  # the model_input of the last step recv told to bypass
         self._closed = False
+        self._auth = RecordAuth.from_options(self.config.auth_key_file, self.config.auth_key_env,
+                                             self.config.auth_previous_window)
 
     # -- setup ----------------------------------------------------------------------------
     def namespace(self, kv_caches: Sequence[torch.Tensor], start_layer: int, layout_name: str,
@@ -113,11 +122,22 @@ class KVStoreAgent:
         if xfer is None:
             layout = self._layout(first)
             ns = self.namespace(kv_caches, start, layout.name, layout.block_size(first))
-            xfer = KVTransfer(PrefixCache(self.store, ns, codec=self.config.codec), kv_caches, layout)
+            xfer = KVTransfer(PrefixCache(self.store, ns, codec=self.config.codec, auth=self._auth), kv_caches, layout)
             self._transfers[key] = xfer
         return xfer
 
-    # -- the batch, per sequence ------------------------------------------------------------
+    @staticmethod
+    def expected_hidden(model_executable: Any) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """``(dtype, shape)`` of one token's hidden state as this model consumes it, if it says."""
+        for obj in (model_executable, getattr(model_executable, "model", None)):
+            size = getattr(getattr(obj, "config", None), "hidden_size", None)
+            dtype = getattr(obj, "dtype", None)
+            if not isinstance(dtype, torch.dtype) and isinstance(obj, torch.nn.Module):
+                dtype = next((p.dtype for p in obj.parameters() if p.is_floating_point()), None)
+            if type(size) is int and size > 0 and isinstance(dtype, torch.dtype):
+                return dtype, (size,)
+        return None
+
     # -- recv -----------------------------------------------------------------------------
     def recv_kv_caches_and_hidden_states(self, model_executable: Any, model_input: Any,
                                          kv_caches: Sequence[torch.Tensor]) -> tuple[Any, bool, Any]:
@@ -128,6 +148,7 @@ class KVStoreAgent:
             return None, False, model_input
         self.stats.recv_calls += 1
         xfer = self.transfer(model_executable, kv_caches)
+        expected = self.expected_hidden(model_executable)
         seqs = prefill_sequences(model_input)
         loaded: list[int] = []
         hiddens: list[torch.Tensor | None] = []
@@ -135,13 +156,16 @@ class KVStoreAgent:
             n, h = (0, None)
             if s.tokens is not None:
                 try:
-                    n, h = xfer.load_sequence(s.tokens, s.slots)
+                    n, h = xfer.load_sequence(s.tokens, s.slots, hidden_dtype=expected[0] if expected else None,
+                                              hidden_shape=expected[1] if expected else None)
                 except Exception:  # never fail the request; a bug here must not cost more than a miss
                     log.exception("KV load failed for a sequence; computing it")
                     n, h = 0, None
                 self.stats.tokens_requested += s.q_end - s.q_start
             loaded.append(n)
-            hiddens.append(h)
+            # Only a hidden state this model can take; unknown expectations: compute the last token.
+            hiddens.append(h if expected is not None and h is not None
+                           and (h.dtype, tuple(h.shape)) == expected else None)
         self.stats.tokens_loaded += sum(loaded)
         if not any(loaded):
             return None, False, model_input

@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.config import build, option, safe_repr
+from kvstore.config import build, check_range, option, safe_repr
 from kvstore.connectors.roles import ROLE_NAMES, Role, parse_role
 from kvstore.errors import ConfigError
+from kvstore.record.auth import MAX_PREVIOUS_WINDOW
 from kvstore.record.codecs import CHAINS
 
 __all__ = ["AgentConfig"]
@@ -46,6 +47,14 @@ class AgentConfig:
     cache_salt: str = option("", help="Tenant salt, part of the namespace: different salts never share records.")
     store_options: Mapping[str, Any] = option(
         factory=dict, help="Tiered store options (see [Tiered store](#tiered-store)).")
+    auth_key_file: str = option(
+        "", help="File holding the deployment key (64 hex digits; further keys are previous ones): every record "
+        "saved is signed, and only records whose tag verifies are loaded. See operations.md, record authentication.")
+    auth_key_env: str = option(
+        "", help="Name of an environment variable holding the deployment key(s), instead of auth_key_file.")
+    auth_previous_window: float = option(
+        86400.0, kind="duration",
+        help="How long after start-up records signed with a previous key are still loaded (at most 30 days).")
 
     def __post_init__(self) -> None:
         store = self.store
@@ -59,16 +68,17 @@ class AgentConfig:
                 + " (store: a URL or list of URLs such as 'file:///tmp/kv' or 'redis://host:6379'; "
                   "model and model_fingerprint: the model's name and a hash of its weights/config)")
         object.__setattr__(self, "role", parse_role(self.role).name)
-        for name in ("chunk_tokens", "tp_size"):
+        for name, most in (("chunk_tokens", 1 << 20), ("tp_size", 1 << 16)):
             value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
+            if type(value) is not int or not 0 < value <= most:
+                raise ConfigError(f"{name}={value!r} must be a positive integer, at most {most}")
         if type(self.rank) is not int or not 0 <= self.rank < self.tp_size:
             raise ConfigError(f"rank={self.rank!r} must be an integer in [0, tp_size={self.tp_size})")
         if self.kv_layout not in ("", *_LAYOUT_NAMES):
             raise ConfigError(f"kv_layout={self.kv_layout!r}; accepted: {', '.join(_LAYOUT_NAMES)}")
         if self.codec not in CHAINS:
             raise ConfigError(f"codec={self.codec!r}; accepted: {', '.join(CHAINS)}")
+        check_range("auth_previous_window", self.auth_previous_window, 0.0, MAX_PREVIOUS_WINDOW)
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> AgentConfig:

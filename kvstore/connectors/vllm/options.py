@@ -16,8 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.config import build, option
+from kvstore.config import build, check_range, option
 from kvstore.errors import ConfigError
+from kvstore.record.auth import MAX_PREVIOUS_WINDOW, RecordAuth, shared_auth
 from kvstore.record.codecs import CHAINS
 
 __all__ = ["VLLMConnectorOptions", "parse_options"]
@@ -88,6 +89,18 @@ class VLLMConnectorOptions:
         1 << 30, kind="size",
         help="Size of the process's buffer pool that records are gathered into and received into "
         "(resident memory, pinned on CUDA). Must hold a load's records in flight plus queued saves.")
+    auth_key_file: str = option(
+        "", help="File holding the deployment key (64 hex digits; further keys are previous ones): every record "
+        "saved is signed, and only records whose tag verifies are loaded. See operations.md, record authentication.")
+    auth_key_env: str = option(
+        "", help="Name of an environment variable holding the deployment key(s), instead of auth_key_file.")
+    auth_previous_window: float = option(
+        86400.0, kind="duration",
+        help="How long after start-up records signed with a previous key are still loaded (at most 30 days).")
+
+    def record_auth(self) -> RecordAuth | None:
+        """The deployment's record keys (None without a key), loaded once per process."""
+        return shared_auth(self.auth_key_file, self.auth_key_env, self.auth_previous_window)
 
     def __post_init__(self) -> None:
         if not self.store:
@@ -105,6 +118,7 @@ class VLLMConnectorOptions:
             raise ConfigError(f"lookup_timeout={self.lookup_timeout:g}s must be in (0, 60] seconds")
         if not 16 << 20 <= self.pool_bytes <= 1 << 40:
             raise ConfigError(f"pool_bytes={self.pool_bytes} must be between 16MiB and 1TiB")
+        check_range("auth_previous_window", self.auth_previous_window, 0.0, MAX_PREVIOUS_WINDOW)
 
 
 def parse_options(extra: Mapping[str, Any] | None) -> VLLMConnectorOptions:

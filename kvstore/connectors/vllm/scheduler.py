@@ -107,7 +107,8 @@ class SchedulerSide:
         self._lag = lag
         self._clock = clock
         # One prefix cache per TP rank: a hit needs every rank's shard.
-        self.caches = [PrefixCache(store, build_namespace(facts, opts, rank)[0], codec=opts.codec)
+        self.caches = [PrefixCache(store, build_namespace(facts, opts, rank)[0], codec=opts.codec,
+                                   auth=opts.record_auth())
                        for rank in range(facts.tp_size)]
         self.chunk_bytes = facts.bytes_per_token * opts.chunk_tokens
         self.cost = CostModel(opts.load_policy)

@@ -96,7 +96,7 @@ class WorkerSide:
         shapes = {tuple(c.shape) for c in caches}
         if len(shapes) != 1:
             raise ConfigError(f"KVStoreConnector needs every layer's KV cache to have one shape; got {sorted(shapes)}")
-        cache = PrefixCache(self.store, self.namespace, codec=self.opts.codec)
+        cache = PrefixCache(self.store, self.namespace, codec=self.opts.codec, auth=self.opts.record_auth())
         self.transfer = KVTransfer(cache, caches, self.layout)  # checks layout, dtype, block size, layers
         self._loader = KVTransfer(cache, caches, self.layout)
         self._saver = KVTransfer(cache, caches, self.layout)

@@ -2,19 +2,25 @@
 
 URL forms::
 
-    redis://[user:password@]host[:port][/db]?ttl=1h&prefix=app/&max_connections=16&timeout=2s
+    redis://[user:password@]host[:port][/db]?ttl=1h&prefix=app/&max_connections=16&timeout=250ms
     rediss://...                       (TLS; ?ca_certs=/path/ca.pem&tls_verify=false)
     unix://[user:password@]/path/to/redis.sock?db=0
     redis+cluster://[user:password@]host:port[,host:port...]?...
+
+Deadlines: reads, lookups and deletes (the engine's critical path) wait at most
+``connect_timeout + timeout`` per call (``deadline``); background writes use ``write_timeout``
+on their own connections. A failed command is retried at once only after a connection error
+(a stale pooled socket), never after a timeout. Every value is range-checked here.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
-from kvstore.config import build, option, query_options, redact_url
+from kvstore.config import build, check_range, option, query_options, redact_url, split_url
 from kvstore.errors import ConfigError
 
 __all__ = ["RedisConfig", "SCHEMES", "DEFAULT_PORT"]
@@ -22,6 +28,15 @@ __all__ = ["RedisConfig", "SCHEMES", "DEFAULT_PORT"]
 #: The schemes ``RedisConfig`` parses (the registry routes them to the two store classes).
 SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379
+MAX_DB = (1 << 31) - 1  # Redis's `databases` is an int
+MAX_TIMEOUT = 300.0  # seconds; a cache call that may wait longer is a hang, not a deadline
+MAX_TTL = 10 * 365 * 86400.0
+MAX_RETRIES = 10
+MAX_SPREAD = 64  # connections one batch spreads over: more only adds threads
+_PORT = re.compile(r"^[0-9]{1,5}$", re.ASCII)  # int() alone takes "-1", " 7", "1_0" and other scripts' digits
+_DB = re.compile(r"^[0-9]{1,10}$", re.ASCII)
+_HOST = re.compile(r"^[A-Za-z0-9._-]+$", re.ASCII)
+_IPV6 = re.compile(r"^[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]+)?$", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -38,30 +53,44 @@ class RedisConfig:
     cluster: bool = option(False, internal=True)
     ca_certs: str = option("", help="CA bundle to verify the server's certificate (rediss://).")
     tls_verify: bool = option(True, help="Verify the server's certificate (rediss://).")
-    ttl: float = option(0.0, kind="duration", help="Expire values this long after writing; 0 keeps them.")
+    ttl: float = option(0.0, kind="duration", help="Expire values this long after writing (1ms to 10 years); 0 keeps them.")
     prefix: str = option("", help="Prepended to every key (several caches in one database).")
-    max_connections: int = option(16, help="Connection pool size (per node in a cluster).")
+    max_connections: int = option(16, help="Connection pool size (per node in a cluster), for reads and for writes each.")
     connections: int = option(2, help="Connections a batch of large values is spread over, each read or written by "
-                                      "its own thread (at most max_connections).")
-    timeout: float = option(1.0, kind="duration", help="Deadline of each socket read or write (an engine waits at most this, times 1 + retries, per call before the circuit breaker skips the tier).")
-    connect_timeout: float = option(1.0, kind="duration", help="Deadline to connect.")
-    retries: int = option(1, help="Immediate retries of a failed command (a pooled socket may be stale).")
+                                      "its own thread (1 to 64; capped at max_connections).")
+    timeout: float = option(
+        0.25, kind="duration", help="Deadline of each socket read or write of a read, lookup or delete (the engine's "
+        "critical path). A frozen server costs one call at most connect_timeout + timeout; the circuit breaker then "
+        "skips the tier.")
+    connect_timeout: float = option(0.25, kind="duration", help="Deadline to connect.")
+    write_timeout: float = option(
+        5.0, kind="duration", help="Deadline of each socket read or write of a background write (its own connections: "
+        "a slow write never holds a connection a read needs).")
+    retries: int = option(1, help="Immediate retries after a connection error (a pooled socket may be stale); "
+                                  "never after a timeout. 0 to 10.")
 
     def __post_init__(self) -> None:
-        if self.max_connections < 1:
-            raise ConfigError(f"max_connections={self.max_connections} must be at least 1")
-        if not 1 <= self.connections <= self.max_connections:
-            raise ConfigError(f"connections={self.connections} must be in [1, max_connections={self.max_connections}]")
-        if self.retries < 0:
-            raise ConfigError(f"retries={self.retries} must not be negative")
-        if self.timeout <= 0 or self.connect_timeout <= 0:
-            raise ConfigError("timeout and connect_timeout must be positive: every remote call has a deadline")
+        check_range("max_connections", self.max_connections, 1, 4096)
+        check_range("connections", self.connections, 1, MAX_SPREAD)
+        check_range("retries", self.retries, 0, MAX_RETRIES)
+        check_range("db", self.db, 0, MAX_DB)
+        for name in ("timeout", "connect_timeout", "write_timeout"):
+            value = getattr(self, name)
+            if not 0 < value <= MAX_TIMEOUT:  # NaN fails too
+                raise ConfigError(f"{name}={value!r} is out of range; accepted: more than 0 and at most "
+                                  f"{MAX_TIMEOUT:g}s (every remote call has a deadline)")
+        if self.ttl != 0 and not 1e-3 <= self.ttl <= MAX_TTL:
+            raise ConfigError(f"ttl={self.ttl!r} is out of range; accepted: 0 (no expiry) or 1ms to 10 years")
+        if len(self.prefix) > 1024:
+            raise ConfigError(f"prefix of {len(self.prefix)} characters is too long; accepted: up to 1024")
+        for _host, port in self.hosts:
+            check_range("port", port, 1, 65535)
         if self.cluster and self.db != 0:
             raise ConfigError(f"db={self.db}: a Redis Cluster has only database 0")
 
     @classmethod
     def from_url(cls, url: str) -> RedisConfig:
-        parts = urlsplit(url)
+        parts = split_url(url)
         scheme = parts.scheme.lower()
         where = redact_url(url)
         if scheme not in SCHEMES:
@@ -83,10 +112,9 @@ class RedisConfig:
             if path:
                 if "db" in options:
                     raise ConfigError(f"{where!r} gives the database both in the path and as ?db=")
-                try:
-                    options["db"] = str(int(path))
-                except ValueError:
-                    raise ConfigError(f"{where!r}: the path must be a database number, got {path!r}") from None
+                if not _DB.match(path):
+                    raise ConfigError(f"{where!r}: the path must be a database number (0 to {MAX_DB}), got {path!r}")
+                options["db"] = path
             if not fixed["cluster"] and len(fixed["hosts"]) > 1:
                 raise ConfigError(f"{where!r} names several hosts; use redis+cluster:// for a cluster")
         return build(cls, options, where=f"{scheme}://", **fixed)
@@ -103,13 +131,23 @@ class RedisConfig:
 
 def _parse_host(text: str, where: str) -> tuple[str, int]:
     if text.startswith("["):  # [::1]:6379
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ConfigError(f"{where!r}: {text!r} is not [IPv6 address]:port")
+        port = rest[1:]
+        if rest == ":":
+            raise ConfigError(f"{where!r}: empty port in {text!r}")
     else:
-        host, _, port = text.partition(":")
+        host, colon, port = text.partition(":")
+        if colon and not port:
+            raise ConfigError(f"{where!r}: empty port in {text!r}")
     if not host:
         raise ConfigError(f"{where!r}: empty host in {text!r}")
-    try:
-        return host, int(port) if port else DEFAULT_PORT
-    except ValueError:
-        raise ConfigError(f"{where!r}: port {port!r} of {text!r} is not a number") from None
+    if not (_IPV6 if text.startswith("[") else _HOST).match(host):
+        raise ConfigError(f"{where!r}: {host!r} is not a host name or address")
+    if not port:
+        return host, DEFAULT_PORT
+    if not _PORT.match(port) or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{where!r}: port {port!r} of {text!r} is not a port number; accepted: 1 to 65535 "
+                          "(ASCII digits)")
+    return host, int(port)

@@ -14,8 +14,15 @@ own thread with the GIL released in the socket calls, and ``get_into`` yields va
 values after it are still arriving.
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
-``StoreUnavailableError`` raised from it; a missing key is ``None``. No network I/O happens in
-the constructor: a store built while Redis is down works once Redis is back.
+``StoreUnavailableError`` raised from it (``StoreTimeoutError`` when a deadline expired); a
+missing key is ``None``. No network I/O happens in the constructor: a store built while Redis
+is down works once Redis is back.
+
+Deadlines: reads, lookups and deletes run on one client (socket timeout ``timeout``), writes on
+another with its own connections (``write_timeout``), so a background write to a slow server
+never holds a connection or a deadline an engine's read needs. A command is retried at once
+after a connection error only (a stale pooled socket), never after a timeout: one call to a
+frozen server costs at most ``deadline`` = ``connect_timeout + timeout``.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from redis.retry import Retry
 
 from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.config import redact_url
-from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import RedisConfig
@@ -53,7 +60,18 @@ _LEASE_WAIT = 0.05  # a reader waits this long for a pool buffer, then receives 
 
 #: A pipelined command: the client method's name, its arguments and its keyword arguments.
 _Command = tuple[str, tuple[Any, ...], dict[str, Any]]
+_TIMEOUTS = (TimeoutError, redis.exceptions.TimeoutError)  # a frozen server: never retried
 _NETWORK_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+
+def _as_redis_error(exc: BaseException) -> BaseException:
+    """A socket error of our direct I/O as the redis-py error ``_errors`` maps (others as they are)."""
+    if isinstance(exc, redis.exceptions.RedisError) or not isinstance(exc, OSError):
+        return exc
+    kind = redis.exceptions.TimeoutError if isinstance(exc, TimeoutError) else redis.exceptions.ConnectionError
+    error = kind(f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
 
 
 class _Cancelled(Exception):
@@ -91,9 +109,12 @@ class _RedisStoreBase(Store):
         self._prefix = config.prefix
         self._px = int(config.ttl * 1000) or None
         self._client: Any = None
+        self._write_client: Any = None
         self._client_lock = threading.Lock()
         self._closed = False
-        self._executor: ThreadPoolExecutor | None = None
+        #: Connections (and threads) one batch of large values is spread over.
+        self._spread = min(config.connections, config.max_connections)
+        self._executors: dict[bool, ThreadPoolExecutor] = {}  # reads' and writes' threads (writes=True)
 
     @classmethod
     def from_url(cls, url: str) -> _RedisStoreBase:
@@ -104,21 +125,23 @@ class _RedisStoreBase(Store):
         return cls(config)
 
     # -- subclasses: how to build the client --------------------------------------------------------
-    def _make_client(self) -> Any:
+    def _make_client(self, timeout: float) -> Any:
+        """A client whose sockets time out after ``timeout`` (reads and writes get one each)."""
         raise NotImplementedError
 
-    def _direct_pool(self) -> Any:
-        """The pool whose connections can serve any key (GETs read directly); None in a cluster."""
+    def _direct_pool(self, *, writes: bool = False) -> Any:
+        """The pool (of the read or the write client) whose connections can serve any key, for
+        direct I/O; None in a cluster."""
         return None
 
-    def _connection_kwargs(self) -> dict[str, Any]:
+    def _connection_kwargs(self, timeout: float) -> dict[str, Any]:
         c = self.config
         kwargs: dict[str, Any] = {
             "username": c.username or None, "password": c.password or None,
-            "socket_timeout": c.timeout, "socket_connect_timeout": c.connect_timeout,
+            "socket_timeout": timeout, "socket_connect_timeout": c.connect_timeout,
             "max_connections": c.max_connections, "socket_read_size": _READ_SIZE,
             # Wait for a pooled connection (bounded), instead of failing when all are busy.
-            "connection_pool_class": redis.BlockingConnectionPool, "timeout": c.connect_timeout + c.timeout,
+            "connection_pool_class": redis.BlockingConnectionPool, "timeout": c.connect_timeout + timeout,
         }
         if c.tls:
             kwargs.update(connection_class=hooks.SSLConnection, ssl_ca_certs=c.ca_certs or None,
@@ -130,17 +153,35 @@ class _RedisStoreBase(Store):
 
     @property
     def _redis(self) -> Any:
+        """The client of reads, lookups and deletes (the engine's critical path)."""
         client = self._client
         if client is None:
-            with self._client_lock:
-                if self._closed:
-                    raise StoreUnavailableError(f"{self.config.safe_url()} is closed")
-                if self._client is None:
-                    hooks.check_redis_py()
-                    with self._errors():  # a cluster client asks the nodes for slots right away
-                        self._client = self._make_client()
-                client = self._client
+            client = self._connect("_client", self.config.timeout)
         return client
+
+    @property
+    def _redis_writes(self) -> Any:
+        """The client of writes: its own connections, ``write_timeout``."""
+        client = self._write_client
+        if client is None:
+            client = self._connect("_write_client", self.config.write_timeout)
+        return client
+
+    def _connect(self, attr: str, timeout: float) -> Any:
+        with self._client_lock:
+            if self._closed:
+                raise StoreUnavailableError(f"{self.config.safe_url()} is closed")
+            if getattr(self, attr) is None:
+                hooks.check_redis_py()
+                with self._errors():  # a cluster client asks the nodes for slots right away
+                    setattr(self, attr, self._make_client(timeout))
+            return getattr(self, attr)
+
+    def _retry(self) -> Retry:
+        # Retried at once after a connection error only (a pooled socket may be stale after a
+        # server restart); never after a timeout, and never with backoff: a cache answers "miss"
+        # rather than wait.
+        return Retry(NoBackoff(), self.config.retries, supported_errors=(redis.exceptions.ConnectionError,))
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -148,16 +189,18 @@ class _RedisStoreBase(Store):
             yield
         except redis.exceptions.DataError:
             raise  # a caller's bug (a value of the wrong type), not an outage
+        except redis.exceptions.TimeoutError as exc:
+            raise StoreTimeoutError(f"{self.config.safe_url()}: {type(exc).__name__}: {exc}") from exc
         except redis.exceptions.RedisError as exc:
             raise StoreUnavailableError(f"{self.config.safe_url()}: {type(exc).__name__}: {exc}") from exc
 
     def _key(self, key: str) -> str:
         return self._prefix + key
 
-    def _pipeline(self, commands: Iterable[_Command]) -> list[Any]:
+    def _pipeline(self, commands: Iterable[_Command], *, writes: bool = False) -> list[Any]:
         """Send commands in one pipeline (one batch per node in a cluster); their replies in order."""
         with self._errors():
-            pipe = self._redis.pipeline(transaction=False)
+            pipe = (self._redis_writes if writes else self._redis).pipeline(transaction=False)
             n = 0
             for name, args, kwargs in commands:
                 getattr(pipe, name)(*args, **kwargs)
@@ -168,19 +211,27 @@ class _RedisStoreBase(Store):
             return replies
 
     # -- direct socket I/O (a single server) -----------------------------------------------------
-    def _threads(self) -> ThreadPoolExecutor:
-        if self._executor is None:
+    def _threads(self, *, writes: bool = False) -> ThreadPoolExecutor:
+        """Threads of direct I/O, one set for reads and one for writes: a long background save
+        never queues an engine's load behind its senders."""
+        executor = self._executors.get(writes)
+        if executor is None:
             with self._client_lock:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(self.config.connections, thread_name_prefix="kvstore-redis")
-        return self._executor
+                if self._closed:
+                    raise StoreUnavailableError(f"{self.config.safe_url()} is closed")
+                executor = self._executors.get(writes)
+                if executor is None:
+                    executor = self._executors[writes] = ThreadPoolExecutor(
+                        self._spread, thread_name_prefix=f"kvstore-redis-{'w' if writes else 'r'}")
+        return executor
 
     def _exchange(self, pool: Any, packed: Sequence[Any], n_replies: int,
                   on_reply: Callable[[hooks.DirectReplies, int], None]) -> None:
         """Send ``packed`` on one pooled connection, then hand each of the ``n_replies`` replies to
-        ``on_reply(reader, i)``. A network failure before the first reply retries on a fresh
-        connection (a pooled socket may be stale after a server restart); a connection left
-        mid-stream is dropped, never reused."""
+        ``on_reply(reader, i)``. A connection error before the first reply retries on a fresh
+        connection (a pooled socket may be stale after a server restart); a timeout never
+        retries (a frozen server would only double the wait); a connection left mid-stream is
+        dropped, never reused."""
         for attempt in range(self.config.retries + 1):
             conn = pool.get_connection()
             replied = False
@@ -194,32 +245,13 @@ class _RedisStoreBase(Store):
                 return
             except _NETWORK_ERRORS as exc:
                 conn.disconnect()
-                if replied or attempt == self.config.retries:
-                    if isinstance(exc, redis.exceptions.RedisError):
-                        raise
-                    raise redis.exceptions.ConnectionError(f"{type(exc).__name__}: {exc}") from exc
+                if replied or attempt == self.config.retries or isinstance(exc, _TIMEOUTS):
+                    raise _as_redis_error(exc) from exc
             except BaseException:
                 conn.disconnect()
                 raise
             finally:
                 pool.release(conn)
-
-    def _in_parallel(self, jobs: Sequence[Callable[[], None]]) -> None:
-        """Run ``jobs`` on the store's threads (the first on the caller's); the first error is raised."""
-        futures = [self._threads().submit(job) for job in jobs[1:]]
-        error: BaseException | None = None
-        try:
-            if jobs:
-                jobs[0]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the other jobs ended
-            error = exc
-        for fut in futures:
-            try:
-                fut.result()
-            except BaseException as exc:  # noqa: BLE001 - the first error wins
-                error = error or exc
-        if error is not None:
-            raise error
 
     def _set_command(self, key: str, value: WriteValue) -> list[Any]:
         args: list[Any] = ["SET", self._key(key), value if isinstance(value, Pieces) else hooks.wire(value)]
@@ -277,7 +309,7 @@ class _RedisStoreBase(Store):
             return
         slots = [_Slot() for _ in keys]
         cancel = threading.Event()
-        groups = _spread([0] * len(keys), self.config.connections)
+        groups = _spread([0] * len(keys), self._spread)
         futures: list[Future[None]] = [
             self._threads().submit(self._read_into, direct, [keys[i] for i in g], [slots[i] for i in g], pool, cancel)
             for g in groups]
@@ -333,16 +365,17 @@ class _RedisStoreBase(Store):
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         """SETs, pipelined. On a single server ``items`` is consumed lazily: each value is sent by
         one of ``connections`` sender threads as soon as the iterable produces it, so a caller
-        that encodes value i+1 in its generator does so while value i is on the wire."""
-        pool = self._direct_pool()
+        that encodes value i+1 in its generator does so while value i is on the wire. Writes use
+        the write client's connections and threads."""
+        pool = self._direct_pool(writes=True)
         if pool is None:
             px = self._px
-            self._pipeline(("set", (self._key(k), v if isinstance(v, Pieces) else hooks.wire(v)), {"px": px})
-                           for k, v in items)
+            self._pipeline((("set", (self._key(k), v if isinstance(v, Pieces) else hooks.wire(v)), {"px": px})
+                            for k, v in items), writes=True)
             return
         it = iter(items)
         head = [item for item in (next(it, None), next(it, None)) if item is not None]
-        if len(head) < 2 or self.config.connections == 1:
+        if len(head) < 2 or self._spread == 1:
             batch = [*head, *it]
             packed = [b for item in batch for b in self._set_command(*item)]
             with self._errors():
@@ -354,7 +387,7 @@ class _RedisStoreBase(Store):
 
     def _send_streamed(self, pool: Any, head: list[tuple[str, WriteValue]],
                        rest: Iterator[tuple[str, WriteValue]]) -> None:
-        work: queue.Queue[list[Any] | None] = queue.Queue(maxsize=self.config.connections)
+        work: queue.Queue[list[Any] | None] = queue.Queue(maxsize=self._spread)
         failed: list[BaseException] = []
 
         def sender() -> None:
@@ -381,7 +414,8 @@ class _RedisStoreBase(Store):
                 except BaseException as exc:  # noqa: BLE001 - handed to the producer below
                     if conn is not None:
                         conn.disconnect()
-                    retry = isinstance(exc, _NETWORK_ERRORS) and attempt < self.config.retries and not failed
+                    retry = (isinstance(exc, _NETWORK_ERRORS) and not isinstance(exc, _TIMEOUTS)
+                             and attempt < self.config.retries and not failed)
                     if not retry:
                         failed.append(exc)
                         while not done:  # keep draining: the producer must never block on a dead sender
@@ -391,7 +425,7 @@ class _RedisStoreBase(Store):
                     if conn is not None:
                         pool.release(conn)
 
-        senders = [self._threads().submit(sender) for _ in range(self.config.connections)]
+        senders = [self._threads(writes=True).submit(sender) for _ in range(self._spread)]
         try:
             for item in (*head, *rest):
                 work.put(self._set_command(*item))
@@ -401,7 +435,7 @@ class _RedisStoreBase(Store):
             for fut in senders:
                 fut.result()
         if failed:
-            raise failed[0]
+            raise _as_redis_error(failed[0])
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._pipeline(("exists", (self._key(k),), {}) for k in keys)]
@@ -431,11 +465,15 @@ class _RedisStoreBase(Store):
     def close(self) -> None:
         with self._client_lock:
             self._closed = True
-            client, self._client = self._client, None
-            executor, self._executor = self._executor, None
-        if executor is not None:
+            clients = [self._client, self._write_client]
+            self._client = self._write_client = None
+            executors = list(self._executors.values())
+            self._executors.clear()
+        for executor in executors:
             executor.shutdown(wait=True)
-        if client is not None:
+        for client in clients:
+            if client is None:
+                continue
             try:
                 client.close()
                 # redis.Redis.close() leaves a pool it was given open; release its sockets now
@@ -448,8 +486,10 @@ class _RedisStoreBase(Store):
 
     @property
     def deadline(self) -> float:
+        """One read, lookup or delete: a connect and a socket timeout (no retry after a timeout;
+        a connection error fails fast, and its one immediate retry is the same bound again)."""
         c = self.config
-        return (c.connect_timeout + c.timeout) * (1 + c.retries)
+        return c.connect_timeout + c.timeout
 
     def describe(self) -> dict[str, Any]:
         c = self.config
@@ -465,32 +505,30 @@ class RedisStore(_RedisStoreBase):
     """One Redis (or Valkey) server over TCP, TLS or a Unix socket."""
 
 
-    def _make_client(self) -> redis.Redis:
+    def _make_client(self, timeout: float) -> redis.Redis:
         c = self.config
-        kwargs = self._connection_kwargs()
+        kwargs = self._connection_kwargs(timeout)
         pool_class = kwargs.pop("connection_pool_class")
         if c.unix_path:
             kwargs.update(connection_class=hooks.UnixConnection, path=c.unix_path)
         else:
             host, port = c.hosts[0]
             kwargs.update(host=host, port=port)
-        # A failed command is retried at once (a pooled socket may be stale after a server
-        # restart); never with backoff: a cache answers "miss" rather than wait.
-        kwargs["retry"] = Retry(NoBackoff(), c.retries)
+        kwargs["retry"] = self._retry()
         pool = pool_class(db=c.db, **kwargs)
         return redis.Redis(connection_pool=pool)
 
-    def _direct_pool(self) -> Any:
-        return self._redis.connection_pool
+    def _direct_pool(self, *, writes: bool = False) -> Any:
+        return (self._redis_writes if writes else self._redis).connection_pool
 
 
 class RedisClusterStore(_RedisStoreBase):
     """A Redis Cluster: keys hash to slots on several primaries; batches go one per node."""
 
 
-    def _make_client(self) -> redis.cluster.RedisCluster:
+    def _make_client(self, timeout: float) -> redis.cluster.RedisCluster:
         c = self.config
-        kwargs = self._connection_kwargs()
+        kwargs = self._connection_kwargs(timeout)
         (host, port), *others = c.hosts
         # ``url=`` makes redis-py build node pools from these kwargs as given, so our connection
         # class (and its packer) is used; credentials and TLS stay in kwargs, not in the URL.
@@ -498,6 +536,6 @@ class RedisClusterStore(_RedisStoreBase):
             url=f"redis://{host}:{port}",
             # redis-py leaves ClusterNode.__init__ unannotated.
             startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
-            retry=Retry(NoBackoff(), c.retries),
+            retry=self._retry(),
             **kwargs,
         )

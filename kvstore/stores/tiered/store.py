@@ -321,6 +321,7 @@ class TieredStore(Store):
         for writer in self._writers:
             writer.close(max(0.0, deadline - time.monotonic()))
         for tier in self.tiers:
+            tier.stop()
             try:
                 tier.store.close()
             except Exception:

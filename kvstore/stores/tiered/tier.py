@@ -1,17 +1,26 @@
-"""One store in a tiered stack: the store, its circuit breaker and (shared tiers) its writer."""
+"""One store in a tiered stack: the store, its circuit breaker, its prober and (shared tiers) its writer.
+
+Every call goes through ``_guarded``: skipped while the breaker is not closed, a failure counted
+and reported to the breaker (an expired deadline, ``StoreTimeoutError``, opens it at once). No
+caller ever probes a tier that is out of use: while the breaker is open, a daemon thread of
+the tier (``kvstore-probe-<tier>``) waits for the cooldown and probes with one cheap call
+(``exists`` of a key nobody writes), bounded by the store's own deadline, so a frozen server
+costs an engine thread at most the one call that found it frozen.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvstore.buffers import BufferPool
-from kvstore.errors import StoreUnavailableError
+from kvstore.errors import StoreTimeoutError, StoreUnavailableError
 from kvstore.metrics.catalog import ERRORS, LATENCY
 from kvstore.stores.base import LeaseStream, Store
-from kvstore.stores.tiered.breaker import CircuitBreaker
+from kvstore.stores.tiered.breaker import CLOSED, CircuitBreaker
 from kvstore.stores.tiered.config import TieredConfig
 from kvstore.stores.tiered.speed import LinkSpeed
 from kvstore.stores.tiered.writer import Writer
@@ -21,6 +30,9 @@ __all__ = ["Tier", "tier_names"]
 log = logging.getLogger("kvstore.stores")
 _ROUND_TRIPS = ("longest_prefix", "exists_many")  # calls that move no values: one round trip each
 T = TypeVar("T")
+#: The key the prober asks about: absent everywhere, so a probe moves no data.
+PROBE_KEY = "kvstore-probe/absent"
+_PROBE_POLL = 0.05  # seconds: the prober re-reads the breaker's clock this often (tests move it)
 
 
 class Tier:
@@ -32,7 +44,11 @@ class Tier:
         self.name = name
         self.local = bool(store.is_local)
         self.breaker = CircuitBreaker(name, failures=config.breaker_failures, cooldown=config.breaker_cooldown,
-                                      max_cooldown=config.breaker_max_cooldown, clock=clock)
+                                      max_cooldown=config.breaker_max_cooldown, clock=clock, background_probe=True)
+        self._prober: threading.Thread | None = None
+        self._prober_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.probes = 0
         self.writer: Writer | None = None if self.local else Writer(self, config)
         self.speed = LinkSpeed(name)
 
@@ -85,7 +101,8 @@ class Tier:
         ERRORS.inc(tier=self.name, kind=kind)
         if kind == "error":
             log.debug("kvstore tier %s: %s failed", self.name, op, exc_info=True)
-        self.breaker.failure(f"{type(exc).__name__}: {exc}")
+        self.breaker.failure(f"{type(exc).__name__}: {exc}", trip=isinstance(exc, StoreTimeoutError))
+        self._start_prober()
 
     def _guarded(self, op: str, fn: Callable[[], T], default: T) -> T:
         if not self.breaker.allow():
@@ -102,6 +119,38 @@ class Tier:
             self.speed.round_trip(seconds)
         self.breaker.success()
         return result
+
+    # -- the prober ------------------------------------------------------------------------------
+    def _start_prober(self) -> None:
+        if self.breaker.state == CLOSED or self._stopped.is_set():
+            return
+        with self._prober_lock:
+            if self._prober is None or not self._prober.is_alive():
+                self._prober = threading.Thread(target=self._probe_until_closed, name=f"kvstore-probe-{self.name}",
+                                                daemon=True)
+                self._prober.start()
+
+    def _probe_until_closed(self) -> None:
+        while not self._stopped.is_set() and self.breaker.state != CLOSED:
+            if not self.breaker.probe_due():
+                self._stopped.wait(min(_PROBE_POLL, max(self.breaker.seconds_to_probe(), 0.001)))
+                continue
+            self.probes += 1
+            try:
+                self.store.exists(PROBE_KEY)
+            except Exception as exc:
+                log.debug("kvstore tier %s: probe failed", self.name, exc_info=True)
+                ERRORS.inc(tier=self.name, kind="unavailable" if isinstance(exc, StoreUnavailableError) else "error")
+                self.breaker.failure(f"{type(exc).__name__}: {exc}")
+            else:
+                self.breaker.success()
+
+    def stop(self) -> None:
+        """Stop the prober (the tiered store is closing)."""
+        self._stopped.set()
+        prober = self._prober
+        if prober is not None:
+            prober.join(timeout=0.1)
 
 
 def tier_names(stores: Sequence[Store]) -> list[str]:

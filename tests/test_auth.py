@@ -1,0 +1,200 @@
+"""Authenticated records: with a deployment key, only writers holding it place KV that readers
+load. Unsigned, forged, other-key and other-tenant records are counted misses; a previous key
+is accepted for its window only; keyless readers still read signed records; golden signed
+records stay readable; and on the reference engine a keyless writer never changes what a keyed
+reader generates."""
+
+from __future__ import annotations
+
+import random
+import struct
+import sys
+
+import msgpack
+import numpy as np
+import pytest
+import xxhash
+from golden_records import FIXTURES, GOLDEN_KEY, SIGNED_CASES, encode_case, golden_auth, signed_inputs
+
+from kvstore import CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record, read_header
+from kvstore.connectors.agent import KVStoreAgent
+from kvstore.errors import ConfigError
+from kvstore.metrics import REGISTRY
+from kvstore.record import FRAME_BYTES, MAGIC
+from kvstore.record.auth import RecordAuth, shared_auth
+from kvstore.testing.engine import PRESETS, ModelRunner
+
+NS = Namespace(model="m", kv_dtype="bfloat16", layout="t", block_size=4, chunk_tokens=8, layer_end=1,
+               cache_salt="tenant")
+KEY_A, KEY_B = bytes(range(32)), bytes(range(1, 33))
+
+
+def _record(auth=None, ns=NS, kv=None, hidden=True):
+    tokens = list(range(8))
+    chunk = chunk_keys(ns, tokens)[0]
+    kv = np.arange(2 * 8 * 3 * 4, dtype=np.uint16).tobytes() if kv is None else kv
+    h = np.arange(16, dtype=np.uint16).tobytes() if hidden else None
+    data = encode_record(namespace=ns, chunk=chunk, tokens=tokens, dtype="bfloat16", shapes=[(2, 8, 3, 4)], kv=kv,
+                         hidden=h, hidden_dtype="bfloat16" if hidden else None,
+                         hidden_shape=(16,) if hidden else None, auth=auth)
+    return bytes(data), chunk, kv
+
+
+def _auth_error(data, keys, **expect):
+    with pytest.raises(CorruptRecordError) as err:
+        decode_record(data, auth=keys, **expect)
+    assert err.value.reason == "auth", err.value
+    out = bytearray(b"\xa5" * read_header(data).raw_len)
+    with pytest.raises(CorruptRecordError):
+        decode_record(data, auth=keys, out=memoryview(out), **expect)
+    assert set(out) == {0xA5}  # nothing reached the destination
+
+
+def test_signed_records_verify_and_keyless_readers_read_them():
+    keys = RecordAuth([KEY_A]).for_salt(NS.cache_salt)
+    data, chunk, kv = _record(keys)
+    header = read_header(data)
+    assert header.key_id == RecordAuth([KEY_A]).key_id and len(header.tag) == 32
+    assert bytes(decode_record(data, namespace=NS, chunk=chunk, auth=keys).kv) == kv
+    assert bytes(decode_record(data, namespace=NS, chunk=chunk).kv) == kv  # no key: the tag is not checked
+    for codec_out in (None, memoryview(bytearray(len(kv)))):
+        assert bytes(decode_record(data, auth=keys, out=codec_out).kv) == kv
+
+
+def test_unsigned_forged_and_other_key_records_are_rejected():
+    keys = RecordAuth([KEY_A]).for_salt(NS.cache_salt)
+    unsigned, _, _ = _record()
+    _auth_error(unsigned, keys)
+    other, _, _ = _record(RecordAuth([KEY_B]).for_salt(NS.cache_salt))
+    _auth_error(other, keys)
+    other_tenant, _, _ = _record(RecordAuth([KEY_A]).for_salt("someone-else"))
+    _auth_error(other_tenant, keys)  # same deployment key, another tenant's derived key
+    # A forger who rewrites the payload and fixes the xxh3 checksum and header CRC still lacks the key.
+    signed, _, _ = _record(keys)
+    hlen = struct.unpack_from("<I", signed, 8)[0]
+    header = msgpack.unpackb(signed[FRAME_BYTES:FRAME_BYTES + hlen])
+    payload = bytearray(signed[FRAME_BYTES + hlen:])
+    payload[0] ^= 0xFF
+    header["checksum"] = xxhash.xxh3_64_digest(bytes(payload))
+    packed = msgpack.packb(header, use_bin_type=True)
+    import zlib
+
+    forged = struct.pack("<4sHHII", MAGIC, 1, 0, len(packed), zlib.crc32(packed)) + packed + bytes(payload)
+    _auth_error(forged, keys)
+    # And one that changes a header field the tag covers (the created time), CRC fixed.
+    header = msgpack.unpackb(signed[FRAME_BYTES:FRAME_BYTES + hlen])
+    header["created"] = header["created"] + 1
+    packed = msgpack.packb(header, use_bin_type=True)
+    forged = struct.pack("<4sHHII", MAGIC, 1, 0, len(packed), zlib.crc32(packed)) + packed + signed[FRAME_BYTES + hlen:]
+    _auth_error(forged, keys)
+
+
+def test_previous_key_is_accepted_for_its_window_only():
+    now = [1000.0]
+    rotated = RecordAuth([KEY_B, KEY_A], previous_window=3600, clock=lambda: now[0])
+    keys = rotated.for_salt(NS.cache_salt)
+    old, _, kv = _record(RecordAuth([KEY_A]).for_salt(NS.cache_salt))
+    assert bytes(decode_record(old, auth=keys).kv) == kv  # written before the rotation: still read
+    new, _, _ = _record(keys)
+    assert read_header(new).key_id == rotated.key_id != read_header(old).key_id  # writers sign with the current key
+    now[0] += 3599
+    decode_record(old, auth=keys)
+    now[0] += 2
+    _auth_error(old, keys)  # the window is over
+    decode_record(new, auth=keys)
+    assert rotated.describe()["previous_key_ids"] == [RecordAuth([KEY_A]).key_id.hex()]
+
+
+def test_keys_from_a_file_or_the_environment(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "key"
+    path.write_text(f"# kvstore deployment key\n{KEY_B.hex()}\n{KEY_A.hex()}\n")
+    path.chmod(0o600)
+    auth = RecordAuth.from_options(key_file=str(path))
+    assert auth.key_id == RecordAuth([KEY_B]).key_id and len(auth.describe()["previous_key_ids"]) == 1
+    monkeypatch.setenv("KVSTORE_TEST_KEY", KEY_A.hex())
+    assert RecordAuth.from_options(key_env="KVSTORE_TEST_KEY").key_id == RecordAuth([KEY_A]).key_id
+    assert RecordAuth.from_options() is None
+    path.chmod(0o644)
+    RecordAuth.from_options(key_file=str(path))
+    assert "readable by other users" in caplog.text
+    secret = KEY_A.hex()[:60] + "zz!!"
+    monkeypatch.setenv("KVSTORE_TEST_BAD", secret)
+    for kwargs, message in ((dict(key_file=str(path), key_env="X"), "not both"),
+                            (dict(key_file=str(tmp_path / "missing")), "cannot be read"),
+                            (dict(key_env="KVSTORE_TEST_UNSET"), "not set or empty"),
+                            (dict(key_env="KVSTORE_TEST_BAD"), "not 64 hex digits"),
+                            (dict(key_env="KVSTORE_TEST_KEY", previous_window=31 * 86400), "30 days")):
+        with pytest.raises(ConfigError, match=message) as err:
+            RecordAuth.from_options(**kwargs)
+        assert secret not in str(err.value) and KEY_A.hex() not in str(err.value)  # never the key itself
+    assert shared_auth("", "KVSTORE_TEST_KEY", 60.0) is shared_auth("", "KVSTORE_TEST_KEY", 60.0)
+
+
+def test_a_configured_key_without_blake3_is_a_config_error_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "blake3", None)  # import blake3 -> ImportError
+    with pytest.raises(ConfigError, match=r"kvstore\[auth\]"):
+        RecordAuth([KEY_A])
+
+
+@pytest.mark.parametrize("name", sorted(SIGNED_CASES))
+def test_golden_signed_records(name):
+    ns, chunk, tokens, dtype, shapes, kv, hidden, _, _ = signed_inputs(name)
+    data = (FIXTURES / f"{name}.kvr").read_bytes()
+    assert encode_case(name) == data  # the signed wire format is pinned too
+    keys = golden_auth().for_salt(ns.cache_salt)
+    rec = decode_record(data, namespace=ns, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes, auth=keys)
+    assert bytes(rec.kv) == kv and (None if rec.hidden is None else bytes(rec.hidden)) == hidden
+    assert rec.header.key_id == RecordAuth([GOLDEN_KEY]).key_id
+    _auth_error(data, RecordAuth([KEY_B]).for_salt(ns.cache_salt))
+
+
+# -- end to end on the reference engine ------------------------------------------------------------
+CFG = PRESETS["tiny"]
+
+
+def _agent(url, key_env="", **kw):
+    return KVStoreAgent(dict(store=url, model=CFG.name, model_fingerprint=CFG.fingerprint, chunk_tokens=32,
+                             auth_key_env=key_env, **kw))
+
+
+def test_keyless_writer_never_reaches_a_keyed_reader(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSTORE_E2E_KEY", KEY_A.hex())
+    url = f"file://{tmp_path / 'kv'}"
+    rng = random.Random(5)
+    prompt = [rng.randrange(CFG.vocab_size) for _ in range(100)]
+    baseline = ModelRunner(CFG).generate([prompt], 8).tokens
+    auth_rejects = REGISTRY.counter("kvstore_corrupt_records_total", "", ("reason",))
+    before = auth_rejects.value(reason="auth")
+
+    keyless = _agent(url)  # a writer without the key, on the same shared store
+    assert ModelRunner(CFG, keyless).generate([prompt], 8).tokens == baseline
+    assert keyless.stats.chunks_saved == 4
+    keyless.close()
+
+    reader = _agent(url, "KVSTORE_E2E_KEY")
+    out = ModelRunner(CFG, reader).generate([prompt], 8)
+    assert out.tokens == baseline and out.tokens_loaded == 0  # nothing of the keyless writer was loaded
+    assert auth_rejects.value(reason="auth") - before == 1  # its first chunk, counted (and deleted)
+    assert reader.stats.chunks_saved == 4  # the keyed reader stored signed records instead
+    reader.close()
+
+    again = _agent(url, "KVSTORE_E2E_KEY")
+    out = ModelRunner(CFG, again).generate([prompt], 8)
+    assert out.bypassed and out.tokens_loaded == len(prompt) and out.tokens == baseline
+    assert auth_rejects.value(reason="auth") - before == 1
+    again.close()
+
+    # A keyless writer that overwrites a signed record (forged KV, valid checksum) changes nothing.
+    xfer = next(iter(again._transfers.values()))
+    keys = xfer.keys(prompt)
+    rec = decode_record(again.store.get(keys[1].key))
+    noisy = np.frombuffer(rec.kv, np.float32) + 0.5
+    again.store.put(keys[1].key, encode_record(
+        namespace=xfer.cache.namespace, chunk=keys[1], tokens=prompt[32:64], dtype=rec.header.dtype,
+        shapes=rec.header.shapes, kv=noisy.astype(np.float32), hidden=rec.hidden,
+        hidden_dtype=rec.header.hidden_dtype, hidden_shape=rec.header.hidden_shape))
+    last = _agent(url, "KVSTORE_E2E_KEY")
+    out = ModelRunner(CFG, last).generate([prompt], 8)
+    assert out.tokens == baseline and out.tokens_loaded == 32  # the first chunk, then the forged one is a miss
+    assert auth_rejects.value(reason="auth") - before == 2
+    last.close()
