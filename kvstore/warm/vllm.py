@@ -61,6 +61,7 @@ class VLLMWarmEngine(WarmEngine):
             kv_role="kv_both", kv_connector_extra_config=extra)
         self.model = model
         self.batch_size = batch_size
+        self._flush_timeout = opts.flush_timeout
         before = set(map(id, live_schedulers()))
         try:
             self.llm = LLM(**kwargs)
@@ -97,6 +98,17 @@ class VLLMWarmEngine(WarmEngine):
         if not tiers:
             return None
         return int(BYTES_WRITTEN.value(tier=tiers[0].name))
+
+    def flush(self) -> None:
+        """Wait for the connector's background saves (a prompt's generate returns before its
+        gather has run, with save_mode=async), then for the stores' writes."""
+        from kvstore.connectors.vllm.worker import live_workers
+
+        for worker in live_workers():
+            if not worker.wait_idle(self._flush_timeout):
+                log.warning("kvstore: background saves still running after %.0fs", self._flush_timeout)
+            worker.store.flush()
+        super().flush()
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {"engine": self.name, "model": self.model, "batch_size": self.batch_size}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,11 +48,18 @@ from kvstore.stores import Store
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WorkerSide"]
+__all__ = ["WorkerSide", "live_workers"]
 
 log = logging.getLogger("kvstore.vllm")
 
 _SAVE_QUEUE = 256  # save specs waiting for the saver thread before new ones are dropped
+_live: weakref.WeakSet[WorkerSide] = weakref.WeakSet()
+
+
+def live_workers() -> list[WorkerSide]:
+    """The worker sides alive in this process (an in-process engine's: offline warming waits
+    for their background saves)."""
+    return list(_live)
 
 
 class _Cancelled(Exception):
@@ -90,6 +98,7 @@ class WorkerSide:
         # Failed synchronous loads: request/block -> the last plan step that may have used them.
         self._tainted_reqs: dict[str, int] = {}
         self._tainted_blocks: dict[int, int] = {}
+        _live.add(self)
 
     def register_kv_caches(self, names: list[str], caches: list[torch.Tensor]) -> None:
         """``caches`` of every layer, in layer order (``names`` for the log)."""
