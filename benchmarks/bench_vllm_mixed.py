@@ -26,6 +26,7 @@ throttle it keeps loading. The last line is
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -34,8 +35,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
-
-import itertools
 
 import vllm_model
 from bench_vllm_ttft import BENCH_CONFIG, machine, run

@@ -32,10 +32,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from kvstore.config import option
 from kvstore.errors import ConfigError, CorruptRecordError
 from kvstore.types import Buffer
 
-__all__ = ["RecordAuth", "TagKeys", "TAG_BYTES", "KEY_ID_BYTES", "MAX_PREVIOUS_WINDOW", "shared_auth"]
+__all__ = ["RecordAuth", "TagKeys", "TAG_BYTES", "KEY_ID_BYTES", "MAX_PREVIOUS_WINDOW", "shared_auth",
+           "key_file_option", "key_env_option", "previous_window_option"]
 
 log = logging.getLogger(__name__)
 
@@ -208,3 +210,20 @@ def shared_auth(key_file: str = "", key_env: str = "", previous_window: float = 
     """``RecordAuth.from_options`` once per process and settings: the sides of one engine (vLLM's
     scheduler and worker in one process) share the keys and the rotation window's start."""
     return RecordAuth.from_options(key_file, key_env, previous_window)
+
+
+# The options an adapter (the vLLM connector, the agent) offers for authentication, defined once:
+# ``auth_key_file: str = key_file_option()`` and so on, range-checked by the adapter.
+def key_file_option() -> Any:
+    return option("", help="File holding the deployment key (64 hex digits; further keys are previous ones): every "
+                  "record saved is signed, and only records whose tag verifies are loaded. See operations.md, "
+                  "record authentication.")
+
+
+def key_env_option() -> Any:
+    return option("", help="Name of an environment variable holding the deployment key(s), instead of auth_key_file.")
+
+
+def previous_window_option() -> Any:
+    return option(86400.0, kind="duration", help="How long after start-up records signed with a previous key are "
+                  "still loaded (at most 30 days).")

@@ -14,7 +14,7 @@ from typing import Any
 from kvstore.config import build, check_range, option, safe_repr
 from kvstore.connectors.roles import ROLE_NAMES, Role, parse_role
 from kvstore.errors import ConfigError
-from kvstore.record.auth import MAX_PREVIOUS_WINDOW
+from kvstore.record.auth import MAX_PREVIOUS_WINDOW, key_env_option, key_file_option, previous_window_option
 from kvstore.record.codecs import CHAINS
 
 __all__ = ["AgentConfig"]
@@ -47,14 +47,9 @@ class AgentConfig:
     cache_salt: str = option("", help="Tenant salt, part of the namespace: different salts never share records.")
     store_options: Mapping[str, Any] = option(
         factory=dict, help="Tiered store options (see [Tiered store](#tiered-store)).")
-    auth_key_file: str = option(
-        "", help="File holding the deployment key (64 hex digits; further keys are previous ones): every record "
-        "saved is signed, and only records whose tag verifies are loaded. See operations.md, record authentication.")
-    auth_key_env: str = option(
-        "", help="Name of an environment variable holding the deployment key(s), instead of auth_key_file.")
-    auth_previous_window: float = option(
-        86400.0, kind="duration",
-        help="How long after start-up records signed with a previous key are still loaded (at most 30 days).")
+    auth_key_file: str = key_file_option()
+    auth_key_env: str = key_env_option()
+    auth_previous_window: float = previous_window_option()
 
     def __post_init__(self) -> None:
         store = self.store

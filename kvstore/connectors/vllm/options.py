@@ -18,7 +18,14 @@ from typing import Any
 
 from kvstore.config import build, check_range, option
 from kvstore.errors import ConfigError
-from kvstore.record.auth import MAX_PREVIOUS_WINDOW, RecordAuth, shared_auth
+from kvstore.record.auth import (
+    MAX_PREVIOUS_WINDOW,
+    RecordAuth,
+    key_env_option,
+    key_file_option,
+    previous_window_option,
+    shared_auth,
+)
 from kvstore.record.codecs import CHAINS
 
 __all__ = ["VLLMConnectorOptions", "parse_options"]
@@ -89,14 +96,9 @@ class VLLMConnectorOptions:
         1 << 30, kind="size",
         help="Size of the process's buffer pool that records are gathered into and received into "
         "(resident memory, pinned on CUDA). Must hold a load's records in flight plus queued saves.")
-    auth_key_file: str = option(
-        "", help="File holding the deployment key (64 hex digits; further keys are previous ones): every record "
-        "saved is signed, and only records whose tag verifies are loaded. See operations.md, record authentication.")
-    auth_key_env: str = option(
-        "", help="Name of an environment variable holding the deployment key(s), instead of auth_key_file.")
-    auth_previous_window: float = option(
-        86400.0, kind="duration",
-        help="How long after start-up records signed with a previous key are still loaded (at most 30 days).")
+    auth_key_file: str = key_file_option()
+    auth_key_env: str = key_env_option()
+    auth_previous_window: float = previous_window_option()
 
     def record_auth(self) -> RecordAuth | None:
         """The deployment's record keys (None without a key), loaded once per process."""
