@@ -82,6 +82,25 @@ def test_large_record_from_memoryview_without_copy(redis_server):
         assert store.get_many(["big2"])[0] == bytes(view)
 
 
+@pytest.mark.parametrize("connections", [1, 3])
+def test_reads_in_waves_return_every_value_in_order(redis_server, monkeypatch, connections):
+    """GETs go out in waves that keep a window of replies requested ahead (here 1 MiB, so
+    values of 300 KiB to 2 MiB mix waves of one, two and three); misses size no window."""
+    from kvstore.buffers import BufferPool
+    from kvstore.stores.redis import store as redis_store
+
+    monkeypatch.setattr(redis_store, "_IN_FLIGHT_BYTES", 1 << 20)
+    sizes = [300 << 10, 2 << 20, 0, 700 << 10, 1 << 20, 64, 0, 1500 << 10] * 3
+    values = {f"kvs1/wave/{i:02d}": os.urandom(n) for i, n in enumerate(sizes) if n}
+    keys = [f"kvs1/wave/{i:02d}" for i in range(len(sizes))]
+    with open_store(f"{redis_server.url}?connections={connections}") as store:
+        store.put_many(values.items())
+        assert store.get_many(keys) == [values.get(k) for k in keys]
+        got = [None if lease is None else (bytes(lease.view), lease.release())[0]
+               for lease in store.get_into(keys, BufferPool(64 << 20))]
+        assert got == [values.get(k) for k in keys]
+
+
 def test_packer_sends_large_values_as_the_callers_buffer():
     from kvstore.stores.redis.hooks import ZeroCopyPacker
 

@@ -11,7 +11,8 @@ pieces) and GET replies are received straight into buffers of their final size: 
 buffers for ``get_into`` (``hooks``: the parts of redis-py this relies on). On a single server,
 a batch of large values is spread over ``connections`` connections, each sent and read by its
 own thread with the GIL released in the socket calls, and ``get_into`` yields value i while
-values after it are still arriving.
+values after it are still arriving. GETs go out in waves (about 64 MiB of replies requested
+ahead), so the server never builds a whole batch of large replies before sending the first.
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
 ``StoreUnavailableError`` raised from it (``StoreTimeoutError`` when a deadline expired); a
@@ -57,6 +58,10 @@ _READ_SIZE = 1 << 20
 
 _SPREAD_BYTES = 4 << 20  # a batch spreads over several connections once it moves this much
 _LEASE_WAIT = 0.05  # a reader waits this long for a pool buffer, then receives into a fresh one
+# Windowed GETs (_exchange): replies requested ahead of the one being received.
+_IN_FLIGHT_BYTES = 64 << 20
+_MIN_AHEAD = 1
+_FIRST_WAVE = 1  # before any size is known: one value, then as many as fit in the window
 
 #: A pipelined command: the client method's name, its arguments and its keyword arguments.
 _Command = tuple[str, tuple[Any, ...], dict[str, Any]]
@@ -225,23 +230,37 @@ class _RedisStoreBase(Store):
                         self._spread, thread_name_prefix=f"kvstore-redis-{'w' if writes else 'r'}")
         return executor
 
-    def _exchange(self, pool: Any, packed: Sequence[Any], n_replies: int,
-                  on_reply: Callable[[hooks.DirectReplies, int], None]) -> None:
-        """Send ``packed`` on one pooled connection, then hand each of the ``n_replies`` replies to
-        ``on_reply(reader, i)``. A connection error before the first reply retries on a fresh
-        connection (a pooled socket may be stale after a server restart); a timeout never
-        retries (a frozen server would only double the wait); a connection left mid-stream is
-        dropped, never reused."""
+    def _exchange(self, pool: Any, commands: Sequence[list[Any]],
+                  on_reply: Callable[[hooks.DirectReplies, int], int], *, windowed: bool = False) -> None:
+        """Send ``commands`` (packed) on one pooled connection and hand reply i to
+        ``on_reply(reader, i)``, which returns the reply's size in bytes.
+
+        ``windowed`` (GETs of values of any size): the commands go out in waves that keep about
+        ``_IN_FLIGHT_BYTES`` of replies requested ahead of the one being received. Redis builds
+        the replies of every command it has read before it sends the first byte, so a batch of
+        large values sent at once would reach the client only after the server had copied all
+        of it (a long silence, and the server's memory doubled); in waves, the server prepares
+        value i+1 while value i is on the wire.
+
+        A connection error before the first reply retries on a fresh connection (a pooled socket
+        may be stale after a server restart); a timeout never retries (a frozen server would
+        only double the wait); a connection left mid-stream is dropped, never reused."""
         for attempt in range(self.config.retries + 1):
             conn = pool.get_connection()
             replied = False
             try:
                 sock = hooks.raw_socket(conn)
-                hooks.send_all(sock, packed)
+                sent = min(len(commands), _FIRST_WAVE) if windowed else len(commands)
+                hooks.send_all(sock, [b for c in commands[:sent] for b in c])
                 reader = hooks.DirectReplies(sock)
-                for i in range(n_replies):
-                    on_reply(reader, i)
+                for i in range(len(commands)):
+                    size = on_reply(reader, i)
                     replied = True
+                    if sent < len(commands):
+                        want = min(len(commands), i + 1 + max(_MIN_AHEAD, _IN_FLIGHT_BYTES // max(size, 1)))
+                        if want > sent:
+                            hooks.send_all(sock, [b for c in commands[sent:want] for b in c])
+                            sent = want
                 return
             except _NETWORK_ERRORS as exc:
                 conn.disconnect()
@@ -290,14 +309,14 @@ class _RedisStoreBase(Store):
         pool = self._direct_pool() if keys else None
         if pool is None:
             return self._pipeline(("get", (self._key(k),), {}) for k in keys)
-        packed = [b for k in keys for b in hooks.pack_command("GET", self._key(k))]
         out: list[Value | None] = [None] * len(keys)
 
-        def on_reply(reader: hooks.DirectReplies, i: int) -> None:
-            out[i] = reader.value()
+        def on_reply(reader: hooks.DirectReplies, i: int) -> int:
+            value = out[i] = reader.value()
+            return 0 if value is None else len(value)
 
         with self._errors():
-            self._exchange(pool, packed, len(keys), on_reply)
+            self._exchange(pool, [hooks.pack_command("GET", self._key(k)) for k in keys], on_reply, windowed=True)
         return out
 
     def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
@@ -332,9 +351,7 @@ class _RedisStoreBase(Store):
 
     def _read_into(self, direct: Any, keys: list[str], slots: list[_Slot], pool: BufferPool,
                    cancel: threading.Event) -> None:
-        packed = [b for k in keys for b in hooks.pack_command("GET", self._key(k))]
-
-        def on_reply(reader: hooks.DirectReplies, i: int) -> None:
+        def on_reply(reader: hooks.DirectReplies, i: int) -> int:
             if cancel.is_set():
                 raise _Cancelled
             leased: list[Lease] = []
@@ -353,9 +370,10 @@ class _RedisStoreBase(Store):
             slot = slots[i]
             slot.lease = leased[0] if view is not None else None
             slot.done.set()
+            return 0 if view is None else len(view)
 
         try:
-            self._exchange(direct, packed, len(keys), on_reply)
+            self._exchange(direct, [hooks.pack_command("GET", self._key(k)) for k in keys], on_reply, windowed=True)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer through the slots
             for slot in slots:
                 if not slot.done.is_set():
@@ -377,10 +395,14 @@ class _RedisStoreBase(Store):
         head = [item for item in (next(it, None), next(it, None)) if item is not None]
         if len(head) < 2 or self._spread == 1:
             batch = [*head, *it]
-            packed = [b for item in batch for b in self._set_command(*item)]
+
+            def on_reply(reader: hooks.DirectReplies, _: int) -> int:
+                reader.status()
+                return 0
+
             with self._errors():
                 if batch:
-                    self._exchange(pool, packed, len(batch), lambda reader, _: reader.status())
+                    self._exchange(pool, [self._set_command(*item) for item in batch], on_reply)
             return
         with self._errors():
             self._send_streamed(pool, head, it)
