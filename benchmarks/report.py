@@ -19,9 +19,13 @@ printed, never edited for the plot). The sidecars' schemas (every GB/s or ms tri
 
 ``peer_lmcache.json`` (bench_peer_lmcache.py)::
 
-    {"benchmark": "peer_lmcache", "machine": str,
-     "rows": [{"chunk_mib": 32, "path": "LMCache resp://", "role": "kvstore" | "peer" | "ceiling",
-               "store_gbps": [m, lo, hi], "retrieve_gbps": [m, lo, hi]}, ...]}
+    {"machine": str, "versions": str, "reps": int, "chunks": 16,
+     "sizes": {"32MiB": {"nbytes": int, "loads": [float, ...],
+                         "paths": {"LMCache resp://": {"store": [GB/s per rep], "retrieve": [...]}, ...},
+                         "lookups_ms": {name: [ms, ...]}}, ...}}
+
+    (every rep's figure, not triples: the plot takes median, min and max; the path
+    ``raw zero-copy client`` is the ceiling, paths starting with ``kvstore`` are ours)
 
     Fallback: peer_lmcache.md's first "16 x <N>MiB chunks" tables (``| path | store | retrieve |``);
     the ceiling then comes from stores.md's ``raw redis-py python-packer`` row at the same record
@@ -55,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 import textwrap
 from pathlib import Path
@@ -107,6 +112,11 @@ def machine_line(text: str) -> str:
     return m.group(1).strip() if m else "machine not recorded"
 
 
+def _spread(samples: list[float]) -> list[float]:
+    """[median, min, max] of one path's figures over the reps."""
+    return [statistics.median(samples), min(samples), max(samples)]
+
+
 def _load_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -115,7 +125,11 @@ def _load_json(path: Path) -> dict[str, Any] | None:
 def peer_data(results: Path) -> dict[str, Any]:
     doc = _load_json(results / "peer_lmcache.json")
     if doc is not None:
-        return {"machine": doc["machine"], "source": "peer_lmcache.json", "rows": doc["rows"]}
+        rows = [{"chunk_mib": float(size.removesuffix("MiB")), "path": path,
+                 "role": "ceiling" if path.startswith("raw") else "kvstore" if path.startswith("kvstore") else "peer",
+                 "store_gbps": _spread(figures["store"]), "retrieve_gbps": _spread(figures["retrieve"])}
+                for size, result in doc["sizes"].items() for path, figures in result["paths"].items()]
+        return {"machine": doc["machine"], "source": "peer_lmcache.json", "rows": rows}
     text = (results / "peer_lmcache.md").read_text()
     rows: list[dict[str, Any]] = []
     seen: set[float] = set()

@@ -48,10 +48,16 @@ def test_markdown_fallbacks_read_the_committed_tables(tmp_path):
 def test_a_json_sidecar_wins_over_the_markdown(tmp_path):
     for name in ("peer_lmcache.md", "stores.md"):
         shutil.copy(RESULTS / name, tmp_path / name)
-    rows = [{"chunk_mib": 4, "path": "raw RESP", "role": "ceiling", "store_gbps": [3, 2, 4], "retrieve_gbps": [2, 1, 3]}]
-    (tmp_path / "peer_lmcache.json").write_text(json.dumps({"benchmark": "peer_lmcache", "machine": "M", "rows": rows}))
+    sizes = {"4MiB": {"nbytes": 1, "loads": [1.0], "lookups_ms": {},
+                      "paths": {"raw zero-copy client": {"store": [2, 4, 3], "retrieve": [1, 3, 2]},
+                                "kvstore PrefixCache save/load": {"store": [1, 1, 1], "retrieve": [1, 2, 3]}}}}
+    (tmp_path / "peer_lmcache.json").write_text(json.dumps({"machine": "M", "reps": 3, "sizes": sizes}))
     data = report.peer_data(tmp_path)
-    assert data["rows"] == rows and data["machine"] == "M" and data["source"] == "peer_lmcache.json"
+    assert data["machine"] == "M" and data["source"] == "peer_lmcache.json"
+    assert data["rows"] == [
+        {"chunk_mib": 4.0, "path": "raw zero-copy client", "role": "ceiling", "store_gbps": [3, 2, 4], "retrieve_gbps": [2, 1, 3]},
+        {"chunk_mib": 4.0, "path": "kvstore PrefixCache save/load", "role": "kvstore", "store_gbps": [1, 1, 1],
+         "retrieve_gbps": [2, 1, 3]}]
 
 
 def test_report_writes_the_pngs(tmp_path):
