@@ -56,7 +56,7 @@ class RedisConfig:
     ttl: float = option(0.0, kind="duration", help="Expire values this long after writing (1ms to 10 years); 0 keeps them.")
     prefix: str = option("", help="Prepended to every key (several caches in one database).")
     max_connections: int = option(16, help="Connection pool size (per node in a cluster), for reads and for writes each.")
-    connections: int = option(2, help="Connections a batch of large values is spread over, each read or written by "
+    connections: int = option(4, help="Connections a batch of large values is spread over, each read or written by "
                                       "its own thread (1 to 64; capped at max_connections).")
     timeout: float = option(
         0.25, kind="duration", help="Deadline of each socket read or write of a read, lookup or delete (the engine's "

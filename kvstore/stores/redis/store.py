@@ -11,8 +11,9 @@ pieces) and GET replies are received straight into buffers of their final size: 
 buffers for ``get_into`` (``hooks``: the parts of redis-py this relies on). On a single server,
 a batch of large values is spread over ``connections`` connections, each sent and read by its
 own thread with the GIL released in the socket calls, and ``get_into`` yields value i while
-values after it are still arriving. GETs go out in waves (about 64 MiB of replies requested
-ahead), so the server never builds a whole batch of large replies before sending the first.
+values after it are still arriving. GETs go out in waves under one budget per batch (about
+64 MiB of replies requested ahead, whatever the number of connections: ``waves.py``), so the
+server never builds a whole batch of large replies before sending the first.
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
 ``StoreUnavailableError`` raised from it (``StoreTimeoutError`` when a deadline expired); a
@@ -47,6 +48,7 @@ from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import RedisConfig
+from kvstore.stores.redis.waves import Cancelled, Waves
 from kvstore.types import array_view
 
 __all__ = ["RedisStore", "RedisClusterStore"]
@@ -58,10 +60,7 @@ _READ_SIZE = 1 << 20
 
 _SPREAD_BYTES = 4 << 20  # a batch spreads over several connections once it moves this much
 _LEASE_WAIT = 0.05  # a reader waits this long for a pool buffer, then receives into a fresh one
-# Windowed GETs (_exchange): replies requested ahead of the one being received.
-_IN_FLIGHT_BYTES = 64 << 20
-_MIN_AHEAD = 1
-_FIRST_WAVE = 1  # before any size is known: one value, then as many as fit in the window
+_IN_FLIGHT_BYTES = 64 << 20  # a batch of GETs keeps about this much of its replies requested ahead (Waves)
 
 #: A pipelined command: the client method's name, its arguments and its keyword arguments.
 _Command = tuple[str, tuple[Any, ...], dict[str, Any]]
@@ -79,10 +78,6 @@ def _as_redis_error(exc: BaseException) -> BaseException:
     return error
 
 
-class _Cancelled(Exception):
-    """Internal: the reader of an abandoned ``get_into`` stops (its connection is dropped)."""
-
-
 class _Slot:
     """One value of a ``get_into`` batch, filled by a reader thread."""
 
@@ -92,15 +87,6 @@ class _Slot:
         self.done = threading.Event()
         self.lease: Lease | None = None
         self.error: BaseException | None = None
-
-
-def _spread(sizes: Sequence[int], n: int) -> list[list[int]]:
-    """Indices of ``sizes`` dealt round-robin into ``n`` groups (value i and i+1 on different
-    connections, so the next value a consumer needs is always in flight)."""
-    groups: list[list[int]] = [[] for _ in range(max(1, min(n, len(sizes))))]
-    for i in range(len(sizes)):
-        groups[i % len(groups)].append(i)
-    return groups
 
 
 class _RedisStoreBase(Store):
@@ -119,6 +105,7 @@ class _RedisStoreBase(Store):
         self._closed = False
         #: Connections (and threads) one batch of large values is spread over.
         self._spread = min(config.connections, config.max_connections)
+        self._reply_size = 0  # the largest value of the last get_into: the next one's first wave
         self._executors: dict[bool, ThreadPoolExecutor] = {}  # reads' and writes' threads (writes=True)
 
     @classmethod
@@ -231,40 +218,45 @@ class _RedisStoreBase(Store):
         return executor
 
     def _exchange(self, pool: Any, commands: Sequence[list[Any]],
-                  on_reply: Callable[[hooks.DirectReplies, int], int], *, windowed: bool = False) -> None:
-        """Send ``commands`` (packed) on one pooled connection and hand reply i to
-        ``on_reply(reader, i)``, which returns the reply's size in bytes.
+                  on_reply: Callable[[hooks.DirectReplies, int], int], waves: Waves | None = None,
+                  share: Sequence[int] | None = None) -> None:
+        """Send the commands ``share`` (indices into ``commands``, packed; all of them by
+        default) on one pooled connection and hand reply i to ``on_reply(reader, i)``, which
+        returns the reply's size in bytes.
 
-        ``windowed`` (GETs of values of any size): the commands go out in waves that keep about
-        ``_IN_FLIGHT_BYTES`` of replies requested ahead of the one being received. Redis builds
-        the replies of every command it has read before it sends the first byte, so a batch of
-        large values sent at once would reach the client only after the server had copied all
-        of it (a long silence, and the server's memory doubled); in waves, the server prepares
-        value i+1 while value i is on the wire.
+        Without ``waves`` every command goes out at once. With it (GETs of values of any size),
+        command i goes out once ``waves`` lets value i be requested: several connections, each
+        with its own share, can run one batch under one budget (``waves.py`` says why).
 
         A connection error before the first reply retries on a fresh connection (a pooled socket
-        may be stale after a server restart); a timeout never retries (a frozen server would
-        only double the wait); a connection left mid-stream is dropped, never reused."""
+        may be stale after a server restart), resending what the failed one was asked; a timeout
+        never retries (a frozen server would only double the wait); a connection left
+        mid-stream is dropped, never reused."""
+        order = list(range(len(commands))) if share is None else list(share)
+        waves = waves or Waves(len(commands), None)
+        sent = answered = 0  # positions in order
         for attempt in range(self.config.retries + 1):
             conn = pool.get_connection()
-            replied = False
             try:
                 sock = hooks.raw_socket(conn)
-                sent = min(len(commands), _FIRST_WAVE) if windowed else len(commands)
-                hooks.send_all(sock, [b for c in commands[:sent] for b in c])
+                if sent > answered:  # a retry: what the failed connection was asked
+                    hooks.send_all(sock, [b for i in order[answered:sent] for b in commands[i]])
                 reader = hooks.DirectReplies(sock)
-                for i in range(len(commands)):
-                    size = on_reply(reader, i)
-                    replied = True
-                    if sent < len(commands):
-                        want = min(len(commands), i + 1 + max(_MIN_AHEAD, _IN_FLIGHT_BYTES // max(size, 1)))
-                        if want > sent:
-                            hooks.send_all(sock, [b for c in commands[sent:want] for b in c])
-                            sent = want
+                while answered < len(order):
+                    idle = sent == answered
+                    limit = waves.frontier(order[sent] if idle else None)
+                    more = sent
+                    while more < len(order) and order[more] < limit:
+                        more += 1
+                    if more > sent:
+                        hooks.send_all(sock, [b for i in order[sent:more] for b in commands[i]])
+                        sent = more
+                    waves.received(on_reply(reader, order[answered]))
+                    answered += 1
                 return
             except _NETWORK_ERRORS as exc:
                 conn.disconnect()
-                if replied or attempt == self.config.retries or isinstance(exc, _TIMEOUTS):
+                if answered or attempt == self.config.retries or isinstance(exc, _TIMEOUTS):
                     raise _as_redis_error(exc) from exc
             except BaseException:
                 conn.disconnect()
@@ -316,22 +308,25 @@ class _RedisStoreBase(Store):
             return 0 if value is None else len(value)
 
         with self._errors():
-            self._exchange(pool, [hooks.pack_command("GET", self._key(k)) for k in keys], on_reply, windowed=True)
+            self._exchange(pool, [hooks.pack_command("GET", self._key(k)) for k in keys], on_reply,
+                           Waves(len(keys), _IN_FLIGHT_BYTES))
         return out
 
     def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
-        """Values received straight into leases of ``pool``, spread over ``connections``
-        connections; value i is yielded while later ones are still arriving."""
+        """Values received straight into leases of ``pool`` over ``connections`` connections
+        (value i on connection i mod N) under one ``Waves`` budget (about ``_IN_FLIGHT_BYTES``
+        requested ahead); value i is yielded while later ones are still arriving."""
         direct = self._direct_pool() if keys else None
         if direct is None:
             yield from super().get_into(keys, pool)
             return
         slots = [_Slot() for _ in keys]
-        cancel = threading.Event()
-        groups = _spread([0] * len(keys), self._spread)
+        commands = [hooks.pack_command("GET", self._key(k)) for k in keys]
+        readers = max(1, min(self._spread, len(keys)))
+        waves = Waves(len(keys), _IN_FLIGHT_BYTES, self._reply_size, readers)
         futures: list[Future[None]] = [
-            self._threads().submit(self._read_into, direct, [keys[i] for i in g], [slots[i] for i in g], pool, cancel)
-            for g in groups]
+            self._threads().submit(self._read_into, direct, commands, range(r, len(keys), readers), slots, pool, waves)
+            for r in range(readers)]
         try:
             for slot in slots:
                 slot.done.wait()
@@ -341,19 +336,20 @@ class _RedisStoreBase(Store):
                 lease, slot.lease = slot.lease, None
                 yield lease
         finally:
-            cancel.set()
+            waves.cancel()
             for fut in futures:
                 fut.exception()  # wait: a reader must stop before its slots are released
+            self._reply_size = waves.size  # a store's records are mostly of one size
             for slot in slots:
                 if slot.lease is not None:
                     slot.lease.release()
                     slot.lease = None
 
-    def _read_into(self, direct: Any, keys: list[str], slots: list[_Slot], pool: BufferPool,
-                   cancel: threading.Event) -> None:
+    def _read_into(self, direct: Any, commands: list[list[Any]], share: range, slots: list[_Slot],
+                   pool: BufferPool, waves: Waves) -> None:
+        """One connection's share of a ``get_into`` batch. A failure ends the whole batch: every
+        slot not yet filled gets the error (the consumer raises it at the first such value)."""
         def on_reply(reader: hooks.DirectReplies, i: int) -> int:
-            if cancel.is_set():
-                raise _Cancelled
             leased: list[Lease] = []
 
             def into(size: int) -> memoryview:
@@ -373,8 +369,11 @@ class _RedisStoreBase(Store):
             return 0 if view is None else len(view)
 
         try:
-            self._exchange(direct, [hooks.pack_command("GET", self._key(k)) for k in keys], on_reply, windowed=True)
+            self._exchange(direct, commands, on_reply, waves, share)
+        except Cancelled:
+            pass  # abandoned by the consumer, or another reader failed and filled the slots
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer through the slots
+            waves.cancel()
             for slot in slots:
                 if not slot.done.is_set():
                     slot.error = exc

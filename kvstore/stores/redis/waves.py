@@ -1,0 +1,78 @@
+"""How far a batch of GETs may request ahead: one budget of reply bytes for all its connections.
+
+Redis builds the reply of every command it has read before it sends any of it, and it reads
+every connection's commands in one pass of its event loop. So the bytes a batch has requested
+but not yet received are bytes the server copies before a socket hears anything. With four
+connections each asking for a 32 MiB value at once, the last socket waits for 128 MiB of
+copying, which is a long silence on a busy server and a read deadline missed. A window per
+connection would multiply that silence by the number of connections. ``Waves`` bounds the batch
+instead. Value ``j`` may be requested once ``j < received + budget / size``. Before the first
+reply the size is the caller's hint (the store's previous batch), or unknown, and then only
+value 0 may be requested. Each connection requests its own values (value
+``j`` on connection ``j mod N``) up to that frontier, so consecutive values arrive on different
+sockets at once, in the order a consumer takes them.
+
+The batch also starts small: one value per connection, then as many more as have arrived. The
+first values then reach the consumer after one value's worth of server work instead of the
+whole budget's, and their verification and copying overlap the transfer of the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class Cancelled(Exception):
+    """The batch was abandoned (by its consumer, or because another connection failed)."""
+
+
+class Waves:
+    """The frontier of a batch of ``n`` GETs: the values below it may be requested.
+
+    ``budget`` is in bytes of replies requested and not yet received (``None``: no limit, every
+    value at once). ``received(size)`` is called after each reply. ``frontier(waiting_for=j)``
+    blocks until value ``j`` may be requested. ``cancel()`` wakes every waiting connection,
+    whose next call raises ``Cancelled``.
+    """
+
+    def __init__(self, n: int, budget: int | None, size_hint: int = 0, connections: int = 1) -> None:
+        self._n, self._budget, self._connections = n, budget, max(1, connections)
+        self._cond = threading.Condition()
+        self._received = 0
+        self._size = size_hint  # the largest reply seen (or hinted): the estimate for the rest
+        self._cancelled = False
+
+    @property
+    def size(self) -> int:
+        """The largest reply size seen or hinted (0: none yet), a hint for the next batch."""
+        return self._size
+
+    def _frontier(self) -> int:
+        if self._budget is None:
+            return self._n
+        if self._size == 0:
+            ahead = 1
+        else:  # the budget, reached by a ramp that starts at one value per connection
+            ahead = max(1, min(self._budget // self._size, self._connections + self._received))
+        return min(self._n, self._received + ahead)
+
+    def frontier(self, waiting_for: int | None = None) -> int:
+        with self._cond:
+            while True:
+                if self._cancelled:
+                    raise Cancelled
+                limit = self._frontier()
+                if waiting_for is None or waiting_for < limit:
+                    return limit
+                self._cond.wait()
+
+    def received(self, size: int) -> None:
+        with self._cond:
+            self._received += 1
+            self._size = max(self._size, size, 1)  # a miss too: the first reply ends the one-value wave
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
