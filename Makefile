@@ -10,8 +10,7 @@ demo:  ## set up (core) and run the two-replica demo on the embedded file store
 
 test:  ## set up (everything, incl. redis-server and vLLM CPU), lint, and run the whole test suite
 	scripts/bootstrap test
-	$(MAKE) lint
-	$(PY) -m pytest
+	VENV=$(VENV) scripts/test-all
 
 lint:  ## ruff, the import-layer contracts, and mypy (strict on the library)
 	$(VENV)/bin/ruff check kvstore connectors tests benchmarks

@@ -65,6 +65,10 @@ def measure(result: dict, streams: int, arrivals: int) -> dict[str, float]:
             "tokens_per_s": total / span}
 
 
+class _Done(Exception):
+    """Only the mixed part was asked for."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=4)
@@ -72,6 +76,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--throttle-mbps", type=float, default=40.0, help="the slow link, Mbit/s")
+    parser.add_argument("--part", choices=["all", "mixed", "decision"], default="all",
+                        help="both parts, or only the mixed streams, or only the load-or-recompute decision")
     parser.add_argument("--out", help="also write the markdown here (and JSON beside it)")
     args = parser.parse_args()
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "kvstore-bench-mixed"
@@ -92,7 +98,7 @@ def main() -> None:
                  "(c) connector, async": {**base, "load_policy": "always"}}
         results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
         reference_tokens = None
-        for _ in range(args.runs):
+        for _ in range(args.runs if args.part != "decision" else 0):
             for name, conn in modes.items():  # interleaved: load from other work hits every mode alike
                 out = run({"model": str(model), "connector": conn, "engine": ENGINE, "actions": [{"mixed": mixed}]})
                 res = out["results"][0]
@@ -100,22 +106,28 @@ def main() -> None:
                     reference_tokens = res["tokens"]
                 assert res["tokens"] == reference_tokens, f"{name}: tokens differ from the first run's"
                 results[name].append(measure(res, args.streams, args.arrivals))
-        med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items()}
-        lines += [f"{args.streams} decode streams (64-token prompts, 400 tokens out) while {args.arrivals} requests of "
-                  f"{args.tokens} tokens with stored prefixes arrive one every {mixed['every']} steps; medians of "
-                  f"{args.runs} runs (tokens identical in every mode).", "",
-                  "| mode | stream ITL p50 ms | stream ITL p99 ms | arrivals' TTFT ms | output tokens/s |",
-                  "|---|---|---|---|---|"]
-        for m, v in med.items():
-            lines.append(f"| {m} | {v['itl_p50'] * 1e3:.1f} | {v['itl_p99'] * 1e3:.1f} | {v['ttft'] * 1e3:.0f} | "
-                         f"{v['tokens_per_s']:.0f} |")
-        a, c = med["(a) no connector"], med["(c) connector, async"]
-        itl_ratio, ttft_ratio = c["itl_p99"] / a["itl_p99"], a["ttft"] / c["ttft"]
+        med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items() if rs}
+        itl_ratio = ttft_ratio = float("nan")
+        if med:
+            lines += [f"{args.streams} decode streams (64-token prompts, 400 tokens out) while {args.arrivals} requests of "
+                      f"{args.tokens} tokens with stored prefixes arrive one every {mixed['every']} steps; medians of "
+                      f"{args.runs} runs (tokens identical in every mode).", "",
+                      "| mode | stream ITL p50 ms | stream ITL p99 ms | arrivals' TTFT ms | output tokens/s |",
+                      "|---|---|---|---|---|"]
+            for m, v in med.items():
+                lines.append(f"| {m} | {v['itl_p50'] * 1e3:.1f} | {v['itl_p99'] * 1e3:.1f} | {v['ttft'] * 1e3:.0f} | "
+                             f"{v['tokens_per_s']:.0f} |")
+            a, c = med["(a) no connector"], med["(c) connector, async"]
+            itl_ratio, ttft_ratio = c["itl_p99"] / a["itl_p99"], a["ttft"] / c["ttft"]
 
-        # Load or recompute: the same arrivals through a slow link, cost model on ("auto").
+        if args.part == "mixed":
+            raise _Done
+        # Load or recompute: the same arrivals through a slow link, cost model on ("auto"). The
+        # proxy caps each connection: the slow store uses one, so the link is the cap.
         proxy = ShapedProxy(redis.port, rate=args.throttle_mbps * 1e6 / 8)
         try:
-            slow = {"store": [f"redis://127.0.0.1:{proxy.port}/0?prefix=mixed:&timeout=30s"], "chunk_tokens": 256}
+            slow = {"store": [f"redis://127.0.0.1:{proxy.port}/0?prefix=mixed:&timeout=30s&connections=1"],
+                    "chunk_tokens": 256}
             fast = {**base}
             lines += ["", f"Load or recompute (load_policy auto), the arrivals alone, one at a time; TTFT ms, median of "
                       f"the last {args.arrivals - 1} (the first measures the link):", "",
@@ -135,6 +147,8 @@ def main() -> None:
                       f"direct TTFT / no connector: {cost['Redis, direct'] / cost['no connector']:.2f}"]
         finally:
             proxy.close()
+    except _Done:
+        pass
     finally:
         redis.close()
     lines += ["", f"itl_p99_ratio={itl_ratio:.2f} ttft_ratio={ttft_ratio:.2f}"]
