@@ -57,7 +57,8 @@ def test_redis_frozen_during_a_background_load_recomputes_without_hanging(model_
                                                                             redis_server_factory):
     server = redis_server_factory()
     proxy = ShapedProxy(server.port, rate=400e3)  # ~1.2 MB of KV takes ~3 s: the freeze lands mid-load
-    url = f"redis://127.0.0.1:{proxy.port}/0?prefix=frozen:&timeout=500ms&connect_timeout=500ms"
+    # One connection: the proxy caps each one, so this keeps the link at 400 kB/s.
+    url = f"redis://127.0.0.1:{proxy.port}/0?prefix=frozen:&timeout=500ms&connect_timeout=500ms&connections=1"
     direct = f"redis://127.0.0.1:{server.port}/0?prefix=frozen:"
     try:
         _fill(model_dir, direct, [P_S])
@@ -82,7 +83,7 @@ def test_redis_frozen_during_a_background_load_recomputes_without_hanging(model_
 def test_an_abort_during_a_background_load_frees_everything(model_dir, reference, redis_server_factory):
     server = redis_server_factory()
     proxy = ShapedProxy(server.port, rate=200e3)  # the load of P_S takes several seconds
-    url = f"redis://127.0.0.1:{proxy.port}/0?prefix=abort:"
+    url = f"redis://127.0.0.1:{proxy.port}/0?prefix=abort:&connections=1"  # the cap is per connection
     try:
         _fill(model_dir, f"redis://127.0.0.1:{server.port}/0?prefix=abort:", [P_S])
         out = run_engine({"model": model_dir, "connector": {"store": [url], "chunk_tokens": 64, "lookup_timeout": "5s"},

@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,7 +29,6 @@ if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import vllm_model
-from servers import free_port, wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -261,46 +259,6 @@ def test_chunked_prefill_preemption_and_local_prefix_hits(model_dir, redis_serve
     rp, rd = e2["results"]
     assert rp["tokens"] == ref_prefix and rp["cached"][0] == 128  # first chunk shared with D
     assert rd["tokens"] == ref_d and rd["cached"][0] == 672  # 192 local + 480 loaded
-
-
-def test_openai_server_serves_a_hit(model_dir, baseline, filled, tmp_path):
-    port = free_port()
-    kv = {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "connectors.vllm_v1",
-          "kv_role": "kv_both", "kv_connector_extra_config": filled["connector"]}
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_CPU_KVCACHE_SPACE="1")
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--skip-tokenizer-init",
-         "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager", "--block-size", "32",
-         "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
-         "--kv-transfer-config", json.dumps(kv)], cwd=str(ROOT), env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError((tmp_path / "server.log").read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    try:
-        wait_until(ready, 180, "vLLM OpenAI server")
-        body = json.dumps({"model": model_dir, "prompt": P_A, "max_tokens": MAX_TOKENS, "temperature": 0,
-                           "ignore_eos": True, "return_token_ids": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            resp = json.loads(r.read())
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    assert resp["choices"][0]["token_ids"] == baseline["A"]
-    assert resp["usage"]["prompt_tokens_details"]["cached_tokens"] == 288
 
 
 def test_bad_extra_config_fails_at_startup(model_dir):

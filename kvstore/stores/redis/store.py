@@ -58,7 +58,6 @@ _SCAN_COUNT = 1000
 # hiredis; 1 MiB pieces halve the cost of multi-MiB GETs.
 _READ_SIZE = 1 << 20
 
-_SPREAD_BYTES = 4 << 20  # a batch spreads over several connections once it moves this much
 _LEASE_WAIT = 0.05  # a reader waits this long for a pool buffer, then receives into a fresh one
 _IN_FLIGHT_BYTES = 64 << 20  # a batch of GETs keeps about this much of its replies requested ahead (Waves)
 
