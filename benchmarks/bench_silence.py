@@ -40,21 +40,20 @@ class _TimedSocket:
     def __init__(self, sock: Any) -> None:
         self._sock = sock
 
-    def recv(self, n: int) -> bytes:
+    def _timed(self, call: Any, arg: Any) -> Any:
         t0 = time.perf_counter()
         try:
-            data: bytes = self._sock.recv(n)
-            return data
+            return call(arg)
         finally:
             waits.append(time.perf_counter() - t0)
 
+    def recv(self, n: int) -> bytes:
+        data: bytes = self._timed(self._sock.recv, n)
+        return data
+
     def recv_into(self, view: memoryview) -> int:
-        t0 = time.perf_counter()
-        try:
-            got: int = self._sock.recv_into(view)
-            return got
-        finally:
-            waits.append(time.perf_counter() - t0)
+        got: int = self._timed(self._sock.recv_into, view)
+        return got
 
 
 class _TimedReplies(hooks.DirectReplies):

@@ -119,8 +119,8 @@ class TagKeys:
 
     def _mac(self, key: bytes, pieces: Iterable[Buffer]) -> bytes:
         views = [memoryview(p).cast("B") for p in pieces]
-        # BLAKE3 splits a large input over cores (a record of several MiB hashes several times
-        # faster); below ~1 MiB the threads cost more than they save.
+        # BLAKE3 can spread a large input over idle cores; below ~1 MiB its threads cost more than
+        # they save. On a contended 2-core VM it measured no gain either way (results/auth.md).
         threads = self._blake3.blake3.AUTO if sum(v.nbytes for v in views) >= _THREADED_BYTES else 1
         hasher = self._blake3.blake3(key=key, max_threads=threads)
         for view in views:
