@@ -5,7 +5,10 @@ regions, a throttled Redis) can take longer than the engine needs to prefill it.
 compares the two online:
 
 * each tier's latency and read bandwidth, measured by the tiered store on every call
-  (``LinkSpeed``);
+  (``LinkSpeed``). Where the loads run in another process than the decision (vLLM: the workers
+  load, the scheduler decides), the adapter hands the workers' reads over (``observe_reads``);
+  that bandwidth then takes the place of the local tier's, whose latency (measured by the
+  lookups, which run where the decision is made) still counts;
 * the engine's prefill speed in tokens per second, measured by the adapter on steps that
   computed a prefill (``observe_prefill``).
 
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import LOAD_DECISIONS, PREFILL_RATE
-from kvstore.stores.tiered.speed import LinkSpeed
+from kvstore.stores.tiered.speed import LinkSpeed, transfer_rate
 
 __all__ = ["CostModel", "LoadPlan", "POLICIES"]
 
@@ -63,6 +66,7 @@ class CostModel:
         self.margin = margin
         self._lock = threading.Lock()
         self.prefill_rate: float | None = None  # tokens per second
+        self._bandwidth: dict[str, float] = {}  # tier -> bytes per second of reported reads
         self._last_choice: dict[str, bool] = {}
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
@@ -73,6 +77,26 @@ class CostModel:
         with self._lock:
             self.prefill_rate = rate if self.prefill_rate is None else (1 - _ALPHA) * self.prefill_rate + _ALPHA * rate
             PREFILL_RATE.set(self.prefill_rate)
+
+    def observe_reads(self, speed: LinkSpeed, nbytes: int, seconds: float, reads: int) -> None:
+        """``reads`` reads of ``speed.tier`` measured elsewhere moved ``nbytes`` in ``seconds`` (sums)."""
+        if nbytes <= 0 or seconds <= 0 or reads <= 0:
+            return
+        rate = transfer_rate(nbytes, seconds, reads, speed.latency)
+        with self._lock:
+            before = self._bandwidth.get(speed.tier)
+            self._bandwidth[speed.tier] = rate if before is None else (1 - _ALPHA) * before + _ALPHA * rate
+
+    def bandwidth(self, speed: LinkSpeed) -> float | None:
+        """Bytes per second a load from ``speed.tier`` moves: reported reads first, else the tier's own."""
+        with self._lock:
+            reported = self._bandwidth.get(speed.tier)
+        return reported if reported is not None else speed.bandwidth
+
+    def load_seconds(self, speed: LinkSpeed, nbytes: int) -> float | None:
+        """Estimated time to load ``nbytes`` from ``speed.tier`` in one batch; None while unmeasured."""
+        rate = self.bandwidth(speed)
+        return None if rate is None else (speed.latency or 0.0) + nbytes / rate
 
     def recompute_seconds(self, tokens: int) -> float | None:
         with self._lock:
@@ -119,7 +143,7 @@ class CostModel:
             n = min(end, chunks) - start
             if n <= 0:
                 break
-            seconds = speed.seconds_for(n * chunk_bytes)
+            seconds = self.load_seconds(speed, n * chunk_bytes)
             load = None if load is None or seconds is None else load + seconds
             tier = speed.tier
         if not hit_tier:  # the whole hit: name the tier its last chunk comes from

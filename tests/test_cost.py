@@ -54,3 +54,19 @@ def test_forced_policies_and_bad_options():
         CostModel("sometimes")
     with pytest.raises(ConfigError, match="margin"):
         CostModel(margin=0)
+
+
+def test_reads_measured_in_another_process_take_the_place_of_the_local_bandwidth():
+    """vLLM: the scheduler decides, the workers read. The scheduler's tier knows only the latency of
+    its own lookups; the workers' reads (sums) give the bandwidth, each read less one round trip."""
+    model = CostModel()
+    model.observe_prefill(2000, 1.0)
+    local = LinkSpeed("redis")
+    local.round_trip(0.01)
+    assert model.plan([(local, 4)], [256] * 4, 32 * MIB).load_seconds is None  # no read seen yet: load
+    model.observe_reads(local, 4 * 32 * MIB, 4 * 0.01 + 4 * 32 * MIB / 50e6, 4)  # four 50 MB/s reads
+    assert model.bandwidth(local) == pytest.approx(50e6)
+    plan = model.plan([(local, 4)], [256] * 4, 32 * MIB)
+    assert plan.chunks == 0 and model.load_seconds(local, 128 * MIB) == pytest.approx(0.01 + 128 * MIB / 50e6)
+    model.observe_reads(local, 0, 1.0, 1)  # nothing moved: no information
+    assert model.bandwidth(local) == pytest.approx(50e6)

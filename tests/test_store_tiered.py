@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvstore.buffers import BufferPool
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.metrics import REGISTRY
 from kvstore.stores import open_store
@@ -144,6 +145,38 @@ def test_reads_fall_through_and_promote(redis_server, s3_server):
         assert store.flush(10)
         assert red.get("k1") == b"from-s3"  # shared tier above: through its queue
         assert s3.get("k2") is None  # never pushed down by a read
+    finally:
+        store.close()
+
+
+def test_loads_measure_each_tiers_read_speed_even_when_the_reader_stops_early():
+    """The cost model's input: a reader that ``zip``s its keys with the stream never asks past the
+    last value (the stream is closed, not exhausted); that read must still be timed."""
+    class SlowReads(MemoryStore):
+        is_local = False
+
+        def get_into(self, keys, pool):
+            time.sleep(0.05)
+            return super().get_into(keys, pool)
+
+    fast, slow = MemoryStore(), SlowReads()
+    store = TieredStore([fast, slow])
+    pool = BufferPool(16 << 20)
+    try:
+        fast.put("a", bytes(2 << 20))
+        slow.put("b", bytes(2 << 20))
+        slow.put("tiny", b"x")
+        for keys in (["a", "b"], ["tiny"]):
+            stream = store.get_into(keys, pool)
+            for _, lease in zip(keys, stream):
+                assert lease is not None
+                lease.release()
+            stream.close()
+        mem, shared = store.tiers
+        assert mem.speed.take_reads()[::2] == (2 << 20, 1) and mem.speed.take_reads() == (0, 0.0, 0)
+        nbytes, seconds, reads = shared.speed.take_reads()
+        assert (nbytes, reads) == (2 << 20, 1) and seconds >= 0.05  # the 1-byte read says nothing of bandwidth
+        assert mem.speed.bandwidth is not None and shared.speed.bandwidth < mem.speed.bandwidth
     finally:
         store.close()
 

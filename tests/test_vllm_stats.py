@@ -21,7 +21,13 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvstore.connectors.vllm import stats
-from kvstore.connectors.vllm.stats import KVStorePromMetrics, KVStoreStats, PublishesKVStoreStats, collect_stats
+from kvstore.connectors.vllm.stats import (
+    KVStorePromMetrics,
+    KVStoreStats,
+    Measurements,
+    PublishesKVStoreStats,
+    collect_stats,
+)
 from kvstore.metrics import Registry
 
 
@@ -129,6 +135,9 @@ def test_prometheus_series_are_exact_and_labelled_per_engine():
     assert 'vllm:kvstore_op_seconds_sum{engine="1",model_name="m",op="save"} 3.105' in text
     # Keys of metrics this process does not know (another kvstore version) are ignored.
     prom.observe({'["c","kvstore_unknown_total",[],""]': 1, "not json": 2}, engine_idx=0)
+    # A worker's measurements for the cost model travel beside the metrics and are never series.
+    prom.observe(Measurements(reads={"redis": (1 << 20, 0.01, 1)}, prefill_tokens=512, prefill_seconds=0.2).to_data())
+    assert "prefill" not in generate_latest(registry).decode()
 
 
 def test_histogram_fallback_keeps_count_and_sum():

@@ -34,10 +34,12 @@ from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
 from kvstore.connectors.vllm.options import parse_options
 from kvstore.connectors.vllm.plan import external_tokens, failed_blocks, lookup_limit, save_ends
 from kvstore.connectors.vllm.scheduler import SchedulerSide
+from kvstore.connectors.vllm.stats import KVStoreStats, Measurements
 from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.errors import ConfigError
 from kvstore.keys import check_chunk_tokens
 from kvstore.stores.memory import MemoryStore
+from kvstore.stores.tiered import TieredStore
 from kvstore.testing.damage import flip_byte
 
 BS = 32
@@ -364,8 +366,7 @@ def test_save_then_load_through_the_connector(kind, mode):
     alloc(sched_b, req_d, blocks_b, 288)
     md = step(sched_b, req_d, blocks_b, computed=288, scheduled=12, new=True, waiting=background)
     assert run_worker(work_b, md) == set(blocks_b[4:9])  # chunks 0-1 loaded (128 tokens)
-    if not background:
-        assert md.saves  # planned, but this step computed over failed blocks: nothing may be saved
+    assert not md.saves  # every chunk was stored: none is planned again (refusals: the next test)
     assert store.get(keys[2].key) is None  # the damaged record was removed, never re-saved from garbage
     # vLLM reports the failed blocks back and recomputes them from there (num_computed = 128).
     sched_b.update_connector_output(SimpleNamespace(invalid_block_ids=set(blocks_b[4:9]),
@@ -498,3 +499,48 @@ def test_roles_and_min_load():
     producer.update_state_after_alloc(req, None, 0)
     assert step(producer, req, list(range(10)), computed=0, scheduled=300, new=True).saves
     assert consumer.requires_kv_delivery is False
+
+
+def test_the_scheduler_learns_the_workers_measurements_and_recomputes_through_a_slow_link():
+    """The decision is made in the scheduler's process, the loads and forwards run in the workers':
+    what a worker measured reaches the cost model through its stats (``measure``)."""
+    store = TieredStore([MemoryStore()])
+    tier = store.tiers[0].name
+    f = facts(bytes_per_token=4 * 2 * 32 * 2)  # the paged() caches: 4 layers, 2 heads, 2D=32, bf16
+    tokens = list(range(2000, 2300))
+    writer_s, writer_w = make_connector("scheduler", store, f, **SYNC), make_connector("worker", store, f, **SYNC)
+    writer_w.register_kv_caches(paged("cpu", seed=1))
+    req = fake_request("w", tokens)
+    assert ask(writer_s, req, 0) == (0, False)
+    alloc(writer_s, req, list(range(10)), 0)
+    meta = step(writer_s, req, list(range(10)), computed=0, scheduled=300, new=True)
+    assert meta.prefill_tokens == 300
+    run_worker(writer_w, meta)
+    # The worker timed that forward, and reports it once (with any reads of its tiers).
+    shipped = writer_w.get_kv_connector_stats()
+    seen = Measurements.from_data(shipped.data)
+    assert seen.prefill_tokens == 300 and seen.prefill_seconds > 0
+    assert Measurements.from_data((writer_w.get_kv_connector_stats() or KVStoreStats(data={})).data).prefill_tokens == 0
+
+    sched, work = make_connector("scheduler", store, f), make_connector("worker", store, f)
+    work.register_kv_caches(paged("cpu", seed=2))
+    assert ask(sched, fake_request("r1", tokens), 0) == (288, True)  # the link is unmeasured: load, to measure it
+    # Two TP ranks' reports, summed as vLLM aggregates them: 1,000 prompt tokens/s, 50 kB/s reads.
+    ranks = [KVStoreStats(data=Measurements(reads={tier: (50_000, 1.0, 1)}, prefill_tokens=1000,
+                                            prefill_seconds=1.0).to_data()) for _ in range(2)]
+    sched.update_connector_output(SimpleNamespace(kv_connector_stats=ranks[0].aggregate(ranks[1]),
+                                                  finished_recving=set(), invalid_block_ids=set()))
+    assert sched.scheduler.cost.prefill_rate == pytest.approx(1000)
+    assert sched.scheduler.cost.bandwidth(store.tiers[0].speed) == pytest.approx(5e4, rel=0.01)
+    req2 = fake_request("r2", tokens)
+    assert ask(sched, req2, 0) == (0, False)  # 147 kB: ~3 s to load, ~0.3 s to recompute
+    alloc(sched, req2, list(range(10, 20)), 0)
+    meta2 = step(sched, req2, list(range(10, 20)), computed=0, scheduled=300, new=True)
+    assert not meta2.saves  # what every tier holds is not written again
+    # A fast link: loading wins again.
+    fast = KVStoreStats(data=Measurements(reads={tier: (10**10, 1.0, 1)}).to_data())
+    for _ in range(40):
+        sched.update_connector_output(SimpleNamespace(kv_connector_stats=fast, finished_recving=set(),
+                                                      invalid_block_ids=set()))
+    assert ask(sched, fake_request("r3", tokens), 0) == (288, True)
+    store.close()

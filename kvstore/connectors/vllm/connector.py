@@ -43,7 +43,7 @@ from kvstore.connectors.vllm.facts import check_vllm_version, engine_facts
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.connectors.vllm.options import parse_options
 from kvstore.connectors.vllm.scheduler import SchedulerSide
-from kvstore.connectors.vllm.stats import PublishesKVStoreStats
+from kvstore.connectors.vllm.stats import KVStoreStats, PublishesKVStoreStats
 from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.stores import shared
 
@@ -176,6 +176,17 @@ class KVStoreConnector(PublishesKVStoreStats, KVConnectorBase_V1):  # type: igno
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> KVStoreStats | None:
+        """kvstore's metric deltas; a worker adds what it measured for the scheduler's cost model."""
+        stats = super().get_kv_connector_stats()
+        extra = self.worker.measure.take().to_data() if self.worker is not None else {}
+        if not extra:
+            return stats
+        if stats is None:
+            return KVStoreStats(data=extra)
+        stats.data.update(extra)
+        return stats
 
 
 def _tp_rank() -> int:

@@ -47,3 +47,5 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     lag: int = 0
     #: Requests vLLM preempted in this step: their blocks are freed without asking the connector.
     preempted: list[str] = field(default_factory=list)
+    #: Prompt tokens this step's forward computes (the worker times prefills for the cost model).
+    prefill_tokens: int = 0

@@ -9,7 +9,8 @@ Nothing here waits on the network beyond ``lookup_wait``:
   ``lookup_timeout`` is a miss. Results are cached per request.
 * **Load or recompute** (``kvstore.cost``): the lookup knows how many leading chunks each tier
   holds; the cost model picks how many are worth loading from the measured tier speeds and the
-  engine's prefill speed, which this side measures on steps that computed prefills.
+  engine's prefill speed. The workers measure both (``measure``: their reads, the forwards of
+  prefill steps) and report them with their stats, which ``update_connector_output`` reads.
 * **Loads run in the background** (``load_mode="async"``): the hit is reported as asynchronous,
   vLLM allocates its blocks and parks the request in ``WAITING_FOR_REMOTE_KVS``; the worker loads
   it and reports it done through ``get_finished``. A request whose load failed is never offered
@@ -29,13 +30,14 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.connectors.vllm.facts import EngineFacts, build_namespace
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.connectors.vllm.plan import blocks_for, external_tokens, lookup_limit, save_ends
+from kvstore.connectors.vllm.stats import Measurements
 from kvstore.cost import CostModel
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, TokenIds
@@ -54,7 +56,6 @@ __all__ = ["SchedulerSide", "live_schedulers"]
 
 log = logging.getLogger("kvstore.vllm")
 
-_PREFILL_SAMPLE_TOKENS = 128  # steps computing fewer prompt tokens say little about prefill speed
 _live: weakref.WeakSet[SchedulerSide] = weakref.WeakSet()
 
 
@@ -63,13 +64,22 @@ def live_schedulers() -> list[SchedulerSide]:
     return list(_live)
 
 
+@dataclass(frozen=True)
+class _Answer:
+    """A lookup's answer: the tokens worth loading, and the tokens every tier already holds
+    (those are never saved again, even when the cost model recomputes them)."""
+
+    load: int = 0
+    everywhere: int = 0
+
+
 @dataclass
 class _Lookup:
-    """One request's lookup: running on the pool, then its answer (tokens worth loading)."""
+    """One request's lookup: running on the pool, then its answer."""
 
     num_tokens: int
     started: float
-    future: Future[int]
+    future: Future[_Answer]
 
 
 @dataclass
@@ -80,17 +90,6 @@ class _Pending:
     end: int
     block_ids: list[int]
     background: bool
-
-
-@dataclass
-class _StepClock:
-    """Measures the engine's prefill speed: the wall time between two plans and the prompt tokens
-    the first of them scheduled (a step's duration, on a synchronously scheduled engine)."""
-
-    last: float | None = None
-    prompt_tokens: int = 0
-    had_loads: bool = False
-    samples: list[tuple[int, float]] = field(default_factory=list)
 
 
 class SchedulerSide:
@@ -123,7 +122,6 @@ class SchedulerSide:
         self._saved_upto: dict[str, int] = {}
         self._planned_saves: set[str] = set()  # requests a SaveSpec went out for (the worker knows them too)
         self._step = 0
-        self._clock_state = _StepClock()
         ns = self.caches[0].namespace
         log.info("KVStoreConnector (scheduler): namespace %s (%s), load=%s (%s, policy %s) save=%s (%s), store %s",
                  ns.id, ns.layout, loads, opts.load_mode, opts.load_policy, saves, opts.save_mode, store.describe())
@@ -139,8 +137,8 @@ class SchedulerSide:
         return [k for cache in self.caches for k in cache.keys(arr[:limit], namespace=cache.namespace.with_salt(salt))]
 
     # -- lookup ----------------------------------------------------------------------------------
-    def _lookup(self, tokens: list[int], limit: int, salt: str) -> int:
-        """Tokens of the stored prefix worth loading (runs on the lookup pool; never raises)."""
+    def _lookup(self, tokens: list[int], limit: int, salt: str) -> _Answer:
+        """What of the stored prefix is worth loading (runs on the lookup pool; never raises)."""
         start = time.perf_counter()
         LOOKUPS.inc()
         try:
@@ -160,12 +158,24 @@ class SchedulerSide:
         LATENCY.observe(time.perf_counter() - start, op="lookup")
         LOOKUP_TOKENS.inc(limit)
         if not per_tier or not any(per_tier) or not keys:
-            return 0
+            return _Answer()
         plan = self.cost.plan(list(zip(self._speeds(len(per_tier)), per_tier)), [k.num_tokens for k in keys],
                               self.chunk_bytes)
         hit = keys[plan.chunks - 1].end if plan.chunks else 0
         LOOKUP_HIT_TOKENS.inc(hit)
-        return hit
+        everywhere = min(per_tier)
+        return _Answer(hit, keys[everywhere - 1].end if everywhere else 0)
+
+    def _learn(self, connector_output: KVConnectorOutput) -> None:
+        """Feed the cost model what the workers measured (``measure``: their reads, their prefills)."""
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if stats is None:
+            return
+        seen = Measurements.from_data(getattr(stats, "data", None) or {})
+        self.cost.observe_prefill(seen.prefill_tokens, seen.prefill_seconds)
+        tiers = {t.name: t.speed for t in self.store.tiers} if isinstance(self.store, TieredStore) else {}
+        for name, (nbytes, seconds, reads) in seen.reads.items():
+            self.cost.observe_reads(tiers.get(name) or LinkSpeed(name), nbytes, seconds, reads)
 
     def _speeds(self, n: int) -> list[LinkSpeed]:
         if isinstance(self.store, TieredStore):
@@ -194,11 +204,13 @@ class SchedulerSide:
             if self._clock() - job.started < self.opts.lookup_timeout:
                 return None, False  # ask again next step; other requests go on meanwhile
             log.debug("KVStoreConnector: lookup of %s not answered in %gs: a miss", req_id, self.opts.lookup_timeout)
-            hit = 0
+            answer = _Answer()
         else:
-            hit = job.future.result() if job.future.exception() is None else 0
+            answer = job.future.result() if job.future.exception() is None else _Answer()
         self._local_hit[req_id] = num_computed_tokens
-        ext = external_tokens(hit, num_computed_tokens, self.opts.min_load_tokens)
+        if answer.everywhere:
+            self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), answer.everywhere)
+        ext = external_tokens(answer.load, num_computed_tokens, self.opts.min_load_tokens)
         return ext, ext > 0 and self.opts.load_mode == "async"
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks | None,
@@ -238,7 +250,7 @@ class SchedulerSide:
         for i, req_id in enumerate(cached.req_ids):
             self._plan_saves(meta, req_id, cached.num_computed_tokens[i], scheduler_output)
             computed += self._prompt_tokens(req_id, cached.num_computed_tokens[i], scheduler_output)
-        self._time_step(computed, bool(meta.loads))
+        meta.prefill_tokens = computed
         return meta
 
     def _prompt_tokens(self, req_id: str, num_computed: int, scheduler_output: SchedulerOutput) -> int:
@@ -248,13 +260,6 @@ class SchedulerSide:
             return 0
         scheduled = int(scheduler_output.num_scheduled_tokens.get(req_id, 0))
         return max(0, min(num_computed + scheduled, len(request.prompt_token_ids)) - num_computed)
-
-    def _time_step(self, prompt_tokens: int, had_loads: bool) -> None:
-        now = self._clock()
-        state = self._clock_state
-        if (state.last is not None and state.prompt_tokens >= _PREFILL_SAMPLE_TOKENS and not state.had_loads):
-            self.cost.observe_prefill(state.prompt_tokens, now - state.last)
-        state.last, state.prompt_tokens, state.had_loads = now, prompt_tokens, had_loads
 
     def _plan_saves(self, meta: KVStoreConnectorMetadata, req_id: str, num_computed: int,
                     scheduler_output: SchedulerOutput) -> None:
@@ -276,6 +281,7 @@ class SchedulerSide:
             self._planned_saves.add(req_id)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._learn(connector_output)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         invalid = connector_output.invalid_block_ids or set()
         for req_id in getattr(connector_output, "finished_recving", None) or ():

@@ -17,6 +17,9 @@ worker that share a process (vLLM's single-process mode) never count the same de
   Plain str keys and numbers: vLLM pickles and msgpacks it between processes.
 * ``aggregate``: counters and histograms add up; a gauge keeps the largest value (the deepest
   queue, the most-open breaker over the engine's processes).
+* kind ``m`` carries what a worker measured for the scheduler's cost model (``Measurements``:
+  its reads per tier, the forward time of its prefill steps), as sums that add up over workers.
+  They are not metrics: Prometheus never sees them.
 * Prometheus: each kvstore metric ``kvstore_X`` becomes ``vllm:kvstore_X`` with vLLM's labels
   (``model_name``, ``engine``) followed by its own (``tier``, ``op``...), of the same type;
   histograms keep kvstore's buckets.
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -41,14 +44,14 @@ from kvstore.metrics import REGISTRY, Counter, Gauge, Histogram, Registry
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["KVStoreStats", "KVStorePromMetrics", "PublishesKVStoreStats", "collect_stats", "snapshot",
+__all__ = ["Measurements", "KVStoreStats", "KVStorePromMetrics", "PublishesKVStoreStats", "collect_stats", "snapshot",
            "PROM_PREFIX"]
 
 #: Prefix of the republished names: vLLM unregisters only ``vllm:`` collectors when it rebuilds its
 #: Prometheus logger in one process; any other name would be a duplicate time series.
 PROM_PREFIX = "vllm:"
 
-_COUNTER, _GAUGE, _HIST = "c", "g", "h"
+_COUNTER, _GAUGE, _HIST, _MEASURE = "c", "g", "h", "m"
 
 # Headline figures for vLLM's "KV Transfer metrics: ..." log line (``reduce``): name -> metric.
 _SUMMARY = {
@@ -116,6 +119,50 @@ class _Baseline:
                     out[key] = value - (before or 0)
             self.last = now
             return out
+
+
+@dataclass
+class Measurements:
+    """What workers measured for the scheduler's cost model since they last reported: sums, so
+    the reports of several workers (TP ranks) add up to the same rates."""
+
+    #: tier -> (bytes, seconds, reads) of the loads' reads from it.
+    reads: dict[str, tuple[int, float, int]] = field(default_factory=dict)
+    #: Prompt tokens computed by forwards that computed a prefill, and those forwards' seconds.
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+
+    def to_data(self) -> dict[str, float]:
+        data: dict[str, float] = {}
+        for tier, (nbytes, seconds, reads) in self.reads.items():
+            if reads:
+                data.update({_key(_MEASURE, "reads", (tier,), "bytes"): nbytes,
+                             _key(_MEASURE, "reads", (tier,), "seconds"): seconds,
+                             _key(_MEASURE, "reads", (tier,), "count"): reads})
+        if self.prefill_tokens:
+            data[_key(_MEASURE, "prefill", (), "tokens")] = self.prefill_tokens
+            data[_key(_MEASURE, "prefill", (), "seconds")] = self.prefill_seconds
+        return data
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Measurements:
+        """The measurements in a stats object's ``data`` (none: an empty object)."""
+        out = cls()
+        reads: dict[str, dict[str, float]] = {}
+        for key, value in data.items():
+            parsed = _parse(key) if key.startswith(f'["{_MEASURE}"') else None
+            if parsed is None:
+                continue
+            _, name, labels, fld = parsed
+            if name == "reads" and len(labels) == 1:
+                reads.setdefault(labels[0], {})[fld] = float(value)
+            elif name == "prefill" and fld == "tokens":
+                out.prefill_tokens = int(value)
+            elif name == "prefill" and fld == "seconds":
+                out.prefill_seconds = float(value)
+        out.reads = {tier: (int(f.get("bytes", 0)), f.get("seconds", 0.0), int(f.get("count", 0)))
+                     for tier, f in reads.items()}
+        return out
 
 
 _BASELINES: dict[int, _Baseline] = {}

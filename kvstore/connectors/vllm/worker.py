@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.connectors.vllm.facts import EngineFacts, build_namespace
+from kvstore.connectors.vllm.measure import WorkerMeasurements
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.connectors.vllm.plan import blocks_for, failed_blocks
@@ -98,6 +99,7 @@ class WorkerSide:
         # Failed synchronous loads: request/block -> the last plan step that may have used them.
         self._tainted_reqs: dict[str, int] = {}
         self._tainted_blocks: dict[int, int] = {}
+        self.measure = WorkerMeasurements(store)
         _live.add(self)
 
     def register_kv_caches(self, names: list[str], caches: list[torch.Tensor]) -> None:
@@ -109,6 +111,7 @@ class WorkerSide:
         self.transfer = KVTransfer(cache, caches, self.layout)  # checks layout, dtype, block size, layers
         self._loader = KVTransfer(cache, caches, self.layout)
         self._saver = KVTransfer(cache, caches, self.layout)
+        self.measure = WorkerMeasurements(self.store, cuda=caches[0].is_cuda)  # CUDA events time the forward
         log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, namespace %s, load %s, save %s",
                  self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
                  self.layout.name, self.namespace.id, self.opts.load_mode, self.opts.save_mode)
@@ -123,8 +126,13 @@ class WorkerSide:
 
     # -- load --------------------------------------------------------------------------------------
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
-        if not meta.loads or self.transfer is None:
-            return
+        """Start this step's loads (synchronous ones finish here), then time the forward."""
+        if meta.loads and self.transfer is not None:
+            self._start_loads(meta)
+        self.measure.forward_starts(meta.prefill_tokens)
+
+    def _start_loads(self, meta: KVStoreConnectorMetadata) -> None:
+        assert self.transfer is not None
         for spec in meta.loads:
             if spec.background:
                 cancel = threading.Event()
@@ -188,6 +196,7 @@ class WorkerSide:
 
     # -- save --------------------------------------------------------------------------------------
     def save(self, meta: KVStoreConnectorMetadata | None) -> None:
+        self.measure.forward_ended()
         if meta is None or self.transfer is None:
             return
         for spec in meta.saves:

@@ -3,6 +3,10 @@
 Every guarded call of a tier feeds its tier's ``LinkSpeed``: small calls (lookups) give the
 latency of one round trip, reads of whole values give bytes over time beyond that latency. A
 load-or-recompute decision (``kvstore.cost``) reads them; they are also published as gauges.
+
+A decision may be made in another process than the reads (vLLM's scheduler decides, its workers
+read): ``take_reads`` hands over the reads measured since it was last called, as sums, for the
+process that decides to learn from (``CostModel.observe_reads``).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import threading
 
 from kvstore.metrics.catalog import TIER_BANDWIDTH, TIER_LATENCY
 
-__all__ = ["LinkSpeed"]
+__all__ = ["LinkSpeed", "transfer_rate"]
 
 _ALPHA = 0.2  # weight of the newest sample: about the last ten calls matter
 _MIN_READ_BYTES = 1 << 20  # reads smaller than this say more about latency than bandwidth
@@ -25,6 +29,7 @@ class LinkSpeed:
         self._lock = threading.Lock()
         self.latency: float | None = None
         self.bandwidth: float | None = None
+        self._unreported = (0, 0.0, 0)  # bytes, seconds, reads not yet taken by take_reads
 
     def round_trip(self, seconds: float) -> None:
         """A call that moved (almost) no data took ``seconds``."""
@@ -37,14 +42,22 @@ class LinkSpeed:
         if nbytes < _MIN_READ_BYTES:
             return
         with self._lock:
-            transfer = max(seconds - (self.latency or 0.0), seconds / 2, 1e-9)
-            rate = nbytes / transfer
+            rate = transfer_rate(nbytes, seconds, 1, self.latency)
             self.bandwidth = rate if self.bandwidth is None else (1 - _ALPHA) * self.bandwidth + _ALPHA * rate
             TIER_BANDWIDTH.set(self.bandwidth, tier=self.tier)
+            b, s, n = self._unreported
+            self._unreported = (b + nbytes, s + seconds, n + 1)
 
-    def seconds_for(self, nbytes: int) -> float | None:
-        """Estimated time to read ``nbytes`` in one batch; None while the tier is unmeasured."""
+    def take_reads(self) -> tuple[int, float, int]:
+        """``(bytes, seconds, reads)`` summed over the reads since the last call (zeros if none)."""
         with self._lock:
-            if self.bandwidth is None:
-                return None
-            return (self.latency or 0.0) + nbytes / self.bandwidth
+            out, self._unreported = self._unreported, (0, 0.0, 0)
+            return out
+
+
+def transfer_rate(nbytes: int, seconds: float, reads: int, latency: float | None) -> float:
+    """Bytes per second of ``reads`` reads that moved ``nbytes`` in ``seconds`` in all, each read
+    costing one round trip of ``latency`` beyond its bytes (at most half of the time is taken as
+    latency: an overestimated latency must not make a link look infinitely fast)."""
+    transfer = max(seconds - reads * (latency or 0.0), seconds / 2, 1e-9)
+    return nbytes / transfer

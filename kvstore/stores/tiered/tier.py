@@ -60,7 +60,10 @@ class Tier:
 
     def stream(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         """``store.get_into(keys, pool)`` guarded by the breaker: skipped or failing, the keys not
-        yet yielded are misses (the failure counted, never raised)."""
+        yet yielded are misses (the failure counted, never raised).
+
+        The read is timed (``speed``) however the stream ends: consumers stop asking once they
+        have what they need (``zip`` with their keys), which closes the stream before its end."""
         if not keys:
             return
         if not self.breaker.allow():
@@ -68,6 +71,7 @@ class Tier:
             return
         start = time.perf_counter()
         yielded = nbytes = 0
+        failed = False
         inner = self.store.get_into(keys, pool)
         try:
             for lease in inner:
@@ -75,15 +79,16 @@ class Tier:
                 nbytes += 0 if lease is None else lease.nbytes
                 yield lease
         except Exception as exc:  # noqa: BLE001 - a tier's failure must never reach the engine
+            failed = True
             self._failed("get_into", exc)
             yield from [None] * (len(keys) - yielded)
-            return
         finally:
             inner.close()
-        seconds = time.perf_counter() - start
-        LATENCY.observe(seconds, op=f"{self.name}.get_into")
-        self.speed.read(nbytes, seconds)
-        self.breaker.success()
+            if not failed:
+                seconds = time.perf_counter() - start
+                LATENCY.observe(seconds, op=f"{self.name}.get_into")
+                self.speed.read(nbytes, seconds)
+                self.breaker.success()
 
     def iter_keys(self, prefix: str) -> list[str]:
         return self._guarded("iter_keys", lambda: list(self.store.iter_keys(prefix)), [])
