@@ -98,6 +98,11 @@ class CostModel:
         rate = self.bandwidth(speed)
         return None if rate is None else (speed.latency or 0.0) + nbytes / rate
 
+    def inputs(self) -> dict[str, object]:
+        """What the decisions are based on now (for logs, tests and benchmarks)."""
+        with self._lock:
+            return {"prefill_tokens_per_s": self.prefill_rate, "read_bytes_per_s": dict(self._bandwidth)}
+
     def recompute_seconds(self, tokens: int) -> float | None:
         with self._lock:
             return None if self.prefill_rate is None else tokens / self.prefill_rate

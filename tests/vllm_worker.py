@@ -74,9 +74,12 @@ def main(spec: dict) -> dict:
                     values[m.name] = values.get(m.name, 0.0) + m.value
             results.append({"metrics": values})
         elif action.get("metrics_kvstore"):  # kvstore's own counters (in-process engines only)
+            from kvstore.connectors.vllm.scheduler import live_schedulers
             from kvstore.metrics.catalog import LOAD_DECISIONS
 
-            results.append({"kvstore": {"/".join(k): v for k, v in sorted(LOAD_DECISIONS._values.items())}})
+            inputs = [s.cost.inputs() for s in live_schedulers()]
+            results.append({"kvstore": {"/".join(k): v for k, v in sorted(LOAD_DECISIONS._values.items())},
+                            "cost_inputs": inputs})
         elif "mixed" in action:
             results.append(_mixed(llm, action["mixed"], SamplingParams))
         elif "steps" in action:

@@ -150,6 +150,11 @@ class KVStoreConnector(PublishesKVStoreStats, KVConnectorBase_V1):  # type: igno
         names = sorted(kv_caches, key=lambda n: (extract_layer_index(n), n))
         self._work().register_kv_caches(names, [kv_caches[n] for n in names])
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, KVStoreConnectorMetadata):
+            self.worker.step_begins(connector_metadata)  # the forward follows: vLLM binds before it
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVStoreConnectorMetadata)

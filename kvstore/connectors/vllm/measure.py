@@ -6,8 +6,9 @@ seen by the workers, which may be other processes:
 * **how fast loads read**: each tier's reads, as the worker's tiered store timed them
   (``LinkSpeed.take_reads``);
 * **how fast the engine prefills**: the forward of a step that computes at least
-  ``PREFILL_SAMPLE_TOKENS`` prompt tokens, from ``start_load_kv`` (after any synchronous load) to
-  ``wait_for_save``. On CUDA the forward is queued, not run, by then: CUDA events time it and are
+  ``PREFILL_SAMPLE_TOKENS`` prompt tokens and loads nothing synchronously, from
+  ``bind_connector_metadata`` (vLLM binds the plan right before the forward; ``start_load_kv``
+  comes after it unless a load is synchronous) to ``wait_for_save``. On CUDA the forward is queued, not run, by then: CUDA events time it and are
   read once they have completed, so measuring never synchronizes the stream. A wall clock between
   two scheduler steps would count the idle time between requests as prefill.
 

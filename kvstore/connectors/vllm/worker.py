@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
@@ -44,7 +45,7 @@ from kvstore.metrics.catalog import SAVE_DROPS
 from kvstore.paged import KVTransfer, dtype_name, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
 from kvstore.record import Record
-from kvstore.stores import Store
+from kvstore.stores import Store, shared  # noqa: F401 - shared's exit hook must be registered before ours
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,15 @@ def live_workers() -> list[WorkerSide]:
     """The worker sides alive in this process (an in-process engine's: offline warming waits
     for their background saves)."""
     return list(_live)
+
+
+@atexit.register  # after kvstore.stores.shared's (imported above): runs before it closes the stores
+def _finish_saves_at_exit() -> None:
+    """An offline script may end without shutting vLLM down, and the gathers still queued on the
+    saver threads would die with the process; finish them while the stores are open, so their
+    records reach the stores' writers, which ``shared`` drains next."""
+    for worker in live_workers():
+        worker.close()
 
 
 class _Cancelled(Exception):
@@ -100,6 +110,7 @@ class WorkerSide:
         self._tainted_reqs: dict[str, int] = {}
         self._tainted_blocks: dict[int, int] = {}
         self.measure = WorkerMeasurements(store)
+        self._closed = False
         _live.add(self)
 
     def register_kv_caches(self, names: list[str], caches: list[torch.Tensor]) -> None:
@@ -117,6 +128,10 @@ class WorkerSide:
                  self.layout.name, self.namespace.id, self.opts.load_mode, self.opts.save_mode)
 
     def close(self) -> None:
+        """Stop loading; finish the queued gathers (at most ``flush_timeout``). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         for load in self._loads.values():
             load.cancel.set()
         self._load_pool.shutdown(wait=True)
@@ -125,14 +140,16 @@ class WorkerSide:
             self._save_thread.join(timeout=self.opts.flush_timeout)
 
     # -- load --------------------------------------------------------------------------------------
-    def start_load(self, meta: KVStoreConnectorMetadata) -> None:
-        """Start this step's loads (synchronous ones finish here), then time the forward."""
-        if meta.loads and self.transfer is not None:
-            self._start_loads(meta)
-        self.measure.forward_starts(meta.prefill_tokens)
+    def step_begins(self, meta: KVStoreConnectorMetadata) -> None:
+        """vLLM bound this step's plan: its forward follows (then ``save``). The forward is timed
+        for the prefill speed unless a synchronous load runs inside it."""
+        sync_loads = any(not spec.background for spec in meta.loads)
+        self.measure.forward_starts(0 if sync_loads else meta.prefill_tokens)
 
-    def _start_loads(self, meta: KVStoreConnectorMetadata) -> None:
-        assert self.transfer is not None
+    def start_load(self, meta: KVStoreConnectorMetadata) -> None:
+        """Start this step's loads; synchronous ones finish here."""
+        if not meta.loads or self.transfer is None:
+            return
         for spec in meta.loads:
             if spec.background:
                 cancel = threading.Event()
