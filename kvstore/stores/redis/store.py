@@ -391,22 +391,24 @@ class _RedisStoreBase(Store):
             return
         it = iter(items)
         head = [item for item in (next(it, None), next(it, None)) if item is not None]
-        if len(head) < 2 or self._spread == 1:
-            batch = [*head, *it]
-
-            def on_reply(reader: hooks.DirectReplies, _: int) -> int:
-                reader.status()
-                return 0
-
-            with self._errors():
-                if batch:
-                    self._exchange(pool, [self._set_command(*item) for item in batch], on_reply)
-            return
         with self._errors():
-            self._send_streamed(pool, head, it)
+            if len(head) < 2 or self._spread == 1 or not self._send_streamed(pool, head, it):
+                self._send_here(pool, [*head, *it])
+
+    def _send_here(self, pool: Any, batch: list[tuple[str, WriteValue]]) -> None:
+        """SETs of ``batch`` from this thread, on one connection."""
+        def on_reply(reader: hooks.DirectReplies, _: int) -> int:
+            reader.status()
+            return 0
+
+        if batch:
+            self._exchange(pool, [self._set_command(*item) for item in batch], on_reply)
 
     def _send_streamed(self, pool: Any, head: list[tuple[str, WriteValue]],
-                       rest: Iterator[tuple[str, WriteValue]]) -> None:
+                       rest: Iterator[tuple[str, WriteValue]]) -> bool:
+        """SETs of ``head`` then ``rest``, by sender threads; False (nothing sent) when no thread
+        could be started: at interpreter exit executors refuse work before ``atexit`` hooks run,
+        and the last background writes must still go out (from the caller's thread)."""
         work: queue.Queue[list[Any] | None] = queue.Queue(maxsize=self._spread)
         failed: list[BaseException] = []
 
@@ -445,7 +447,14 @@ class _RedisStoreBase(Store):
                     if conn is not None:
                         pool.release(conn)
 
-        senders = [self._threads(writes=True).submit(sender) for _ in range(self._spread)]
+        senders = []
+        executor = self._threads(writes=True)
+        try:
+            for _ in range(self._spread):
+                senders.append(executor.submit(sender))
+        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+            if not senders:
+                return False
         try:
             for item in (*head, *rest):
                 work.put(self._set_command(*item))
@@ -456,6 +465,7 @@ class _RedisStoreBase(Store):
                 fut.result()
         if failed:
             raise _as_redis_error(failed[0])
+        return True
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._pipeline(("exists", (self._key(k),), {}) for k in keys)]
