@@ -22,8 +22,10 @@ def machine() -> str:
         pass
     import torch
 
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-            f"{platform.system()} {platform.release()}")
+    # The vector ISA moves figures by up to 10x (bf16 GEMM without AVX-512: ~1 GFLOPS), and a
+    # VM's host can change between runs: always say which one a run had.
+    return (f"{cpu}, {os.cpu_count()} cores, ISA {torch.backends.cpu.get_cpu_capability()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, {platform.system()} {platform.release()}")
 
 
 def timeit(fn: Callable[[], object], *, reps: int = 7, warmup: int = 1, setup: Callable[[], object] | None = None) -> list[float]:
