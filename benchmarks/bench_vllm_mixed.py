@@ -65,6 +65,17 @@ def measure(result: dict, streams: int, arrivals: int) -> dict[str, float]:
             "tokens_per_s": total / span}
 
 
+def _rounded(inputs: list[dict]) -> dict[str, str]:
+    """The scheduler's cost model inputs (``metrics_kvstore``), readable."""
+    if not inputs:
+        return {}
+    rate = inputs[0].get("prefill_tokens_per_s")
+    out = {"prefill tokens/s": "?" if rate is None else f"{rate:.0f}"}
+    for tier, bw in (inputs[0].get("read_bytes_per_s") or {}).items():
+        out[f"{tier} reads MB/s"] = f"{bw / 1e6:.2f}"
+    return out
+
+
 class _Done(Exception):
     """Only the mixed part was asked for."""
 
@@ -131,18 +142,20 @@ def main() -> None:
             fast = {**base}
             lines += ["", f"Load or recompute (load_policy auto), the arrivals alone, one at a time; TTFT ms, median of "
                       f"the last {args.arrivals - 1} (the first measures the link):", "",
-                      "| store link | TTFT ms | decisions |", "|---|---|---|"]
-            miss = vllm_model.prompt(999, args.tokens, vocab=4096)  # nobody stored it: measures prefill speed
-            single = [{"generate": [p], "max_tokens": 1} for p in [miss, *arrivals]]
+                      "| store link | TTFT ms | decisions | cost model inputs at the end |", "|---|---|---|---|"]
             cost = {}
             throttled = f"Redis through {args.throttle_mbps:.0f} Mbit/s"
-            for label, conn in (("no connector", None), ("Redis, direct", fast), (throttled, slow)):
+            for i, (label, conn) in enumerate((("no connector", None), ("Redis, direct", fast), (throttled, slow))):
+                # A prompt nobody stored (each run its own: a run saves it) measures the prefill speed.
+                miss = vllm_model.prompt(990 + i, args.tokens, vocab=4096)
+                single = [{"generate": [p], "max_tokens": 1} for p in [miss, *arrivals]]
                 out = run({"model": str(model), "connector": conn, "engine": ENGINE,
                            "actions": single + [{"metrics_kvstore": True}]})
                 ttfts = [r["seconds"] for r in out["results"][2:-1]]
                 cost[label] = statistics.median(ttfts)
-                decisions = out["results"][-1].get("kvstore", {})
-                lines.append(f"| {label} | {cost[label] * 1e3:.0f} | {decisions or '-'} |")
+                last = out["results"][-1]
+                inputs = "; ".join(f"{k} {v}" for k, v in _rounded(last.get("cost_inputs") or []).items())
+                lines.append(f"| {label} | {cost[label] * 1e3:.0f} | {last.get('kvstore') or '-'} | {inputs or '-'} |")
             lines += ["", f"throttled TTFT / no connector: {cost[throttled] / cost['no connector']:.2f}; "
                       f"direct TTFT / no connector: {cost['Redis, direct'] / cost['no connector']:.2f}"]
         finally:

@@ -15,7 +15,9 @@ compares the two online:
 ``plan(...)`` takes how many leading chunks each tier holds (fastest tier first) and picks how
 many chunks to load so that load time plus the recompute of the rest is smallest, considering
 only tier boundaries (a prefix in the memory tier can be worth loading when the rest, in S3, is
-not). Until both sides are measured it loads (that is how a tier gets measured). ``policy``
+not). While a tier is unmeasured it loads (that is how a tier gets measured); while the prefill
+is unmeasured (every request so far was a hit) it loads unless the load would take more than
+``explore_above`` seconds, in which case it recomputes once to measure the prefill. ``policy``
 forces the answer: ``"always"`` loads every hit, ``"never"`` none. Every decision is counted in
 ``kvstore_load_decisions_total{tier,decision}``.
 """
@@ -57,13 +59,16 @@ class LoadPlan:
 class CostModel:
     """Online estimates and the decision; thread-safe. See the module docstring."""
 
-    def __init__(self, policy: str = "auto", *, margin: float = 1.0) -> None:
+    def __init__(self, policy: str = "auto", *, margin: float = 1.0, explore_above: float = 0.5) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"load policy {policy!r} is not accepted; use one of: {', '.join(POLICIES)}")
         if not 0 < margin <= 100:
             raise ConfigError(f"load margin={margin!r} must be in (0, 100]")
+        if not 0 <= explore_above <= 3600:
+            raise ConfigError(f"explore_above={explore_above!r} must be in [0, 3600] seconds")
         self.policy = policy
         self.margin = margin
+        self.explore_above = explore_above  # seconds: a load this slow is recomputed while prefill is unmeasured
         self._lock = threading.Lock()
         self.prefill_rate: float | None = None  # tokens per second
         self._bandwidth: dict[str, float] = {}  # tier -> bytes per second of reported reads
@@ -126,8 +131,13 @@ class CostModel:
         if self.policy != "auto":
             return self._count(full if self.policy == "always" else self._plan_for(0, segments, chunk_bytes,
                                                                                    hit_tokens, full.tier))
-        if full.load_seconds is None or full.recompute_seconds is None:
-            return self._count(full)  # unmeasured: load, and so measure
+        if full.load_seconds is None:
+            return self._count(full)  # the link is unmeasured: load, and so measure it
+        if full.recompute_seconds is None:
+            # The link is measured but no prefill was seen (every request so far was a hit): a load
+            # that takes long is worth one recompute, which measures what recomputing costs.
+            slow = full.load_seconds > self.explore_above
+            return self._count(self._plan_for(0, segments, chunk_bytes, hit_tokens, full.tier) if slow else full)
         best: LoadPlan | None = None
         best_cost = 0.0
         for end in [0] + [e for _, _, e in segments]:  # fewer chunks first

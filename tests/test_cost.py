@@ -26,6 +26,18 @@ def test_unmeasured_sides_load_so_that_they_get_measured():
     assert model.plan([(LinkSpeed("redis"), 4)], [256] * 4, 32 * MIB).chunks == 4  # the tier is still unmeasured
 
 
+def test_with_the_prefill_unmeasured_a_slow_link_recomputes_once_to_measure_it():
+    """Every request so far was a hit (no prefill seen): a fast load goes ahead, a slow one is
+    recomputed, which measures the prefill for the next decisions."""
+    model = CostModel()
+    assert model.plan([(speed("redis", 0.001, 2e9), 4)], [256] * 4, 32 * MIB).chunks == 4  # ~0.07 s
+    slow = speed("redis-throttled", 0.005, 250e3)
+    assert model.plan([(slow, 4)], [256] * 4, 32 * MIB).chunks == 0  # ~540 s: recompute, and so measure
+    model.observe_prefill(100, 10.0)  # 10 tokens/s: ~100 s to recompute 1,024 tokens
+    assert model.plan([(slow, 4)], [256] * 4, 32 * MIB).chunks == 0
+    assert model.plan([(slow, 4)], [256] * 4, MIB).chunks == 4  # 4 MiB: ~17 s to load
+
+
 def test_a_fast_tier_loads_a_slow_one_recomputes():
     model = CostModel()
     model.observe_prefill(2000, 1.0)  # 2,000 tokens/s: a 1,024-token prefix takes ~0.5 s to recompute
@@ -54,6 +66,8 @@ def test_forced_policies_and_bad_options():
         CostModel("sometimes")
     with pytest.raises(ConfigError, match="margin"):
         CostModel(margin=0)
+    with pytest.raises(ConfigError, match="explore_above"):
+        CostModel(explore_above=-1)
 
 
 def test_reads_measured_in_another_process_take_the_place_of_the_local_bandwidth():
