@@ -240,6 +240,9 @@ def scrape_targets(compose: Compose) -> dict[str, list[str]]:
 
 
 def _die_with_parent() -> None:
+    # A stack started in the background of a script inherits SIGINT ignored; the services must
+    # still stop on the SIGINT that _stop sends (vLLM shuts its engine down on it).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -312,7 +315,9 @@ def cmd_dev_stack(args: argparse.Namespace) -> int:
     def on_signal(signum: int, frame: object) -> None:
         raise _Stop
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    # Both handled here: a process started in the background of a script inherits SIGINT ignored,
+    # and would never see Ctrl-C / SIGINT as KeyboardInterrupt.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     started: list[Planned] = []
     try:
         for p in plans:
@@ -336,7 +341,8 @@ def cmd_dev_stack(args: argparse.Namespace) -> int:
         print("dev-stack: stopping", flush=True)
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for p in reversed(started):
             _stop(p)
         if not args.state_dir:
