@@ -244,7 +244,12 @@ class S3Store(Store):
         """``fn`` over ``items`` on the write pool, results in order; the first error is raised."""
         if len(items) <= 1:
             return [fn(i) for i in items]
-        return list(self._pool("write").map(fn, items))
+        pool = self._pool("write")
+        try:
+            futures = [pool.submit(fn, i) for i in items]
+        except RuntimeError:  # interpreter exit: executors refuse work before atexit hooks drain writes
+            return [fn(i) for i in items]  # writes and deletes are idempotent: any already submitted may rerun
+        return [f.result() for f in futures]
 
     def _read(self, fn: Callable[[T], R], items: Sequence[T], end: float | None = None) -> list[R]:
         """``fn`` over ``items`` on the read pool, results in order, all within ``end`` (default:
