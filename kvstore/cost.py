@@ -17,7 +17,9 @@ many chunks to load so that load time plus the recompute of the rest is smallest
 only tier boundaries (a prefix in the memory tier can be worth loading when the rest, in S3, is
 not). While a tier is unmeasured it loads (that is how a tier gets measured); while the prefill
 is unmeasured (every request so far was a hit) it loads unless the load would take more than
-``explore_above`` seconds, in which case it recomputes once to measure the prefill. ``policy``
+``explore_above`` seconds, in which case it recomputes once to measure the prefill. A tier that
+has only been recomputed for ``reprobe_after`` seconds gets one hit's first chunk loaded, which
+measures it again (a link that got fast again is noticed). ``policy``
 forces the answer: ``"always"`` loads every hit, ``"never"`` none. Every decision is counted in
 ``kvstore_load_decisions_total{tier,decision}``.
 """
@@ -26,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
@@ -59,16 +62,22 @@ class LoadPlan:
 class CostModel:
     """Online estimates and the decision; thread-safe. See the module docstring."""
 
-    def __init__(self, policy: str = "auto", *, margin: float = 1.0, explore_above: float = 0.5) -> None:
+    def __init__(self, policy: str = "auto", *, margin: float = 1.0, explore_above: float = 0.5,
+                 reprobe_after: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"load policy {policy!r} is not accepted; use one of: {', '.join(POLICIES)}")
         if not 0 < margin <= 100:
             raise ConfigError(f"load margin={margin!r} must be in (0, 100]")
         if not 0 <= explore_above <= 3600:
             raise ConfigError(f"explore_above={explore_above!r} must be in [0, 3600] seconds")
+        if not 1 <= reprobe_after <= 86400:
+            raise ConfigError(f"reprobe_after={reprobe_after!r} must be in [1, 86400] seconds")
         self.policy = policy
         self.margin = margin
         self.explore_above = explore_above  # seconds: a load this slow is recomputed while prefill is unmeasured
+        self.reprobe_after = reprobe_after  # seconds without a load from a tier before one chunk re-measures it
+        self._clock = clock
+        self._last_load: dict[str, float] = {}  # tier -> when a decision last loaded from it
         self._lock = threading.Lock()
         self.prefill_rate: float | None = None  # tokens per second
         self._bandwidth: dict[str, float] = {}  # tier -> bytes per second of reported reads
@@ -131,13 +140,30 @@ class CostModel:
         if self.policy != "auto":
             return self._count(full if self.policy == "always" else self._plan_for(0, segments, chunk_bytes,
                                                                                    hit_tokens, full.tier))
+        first = segments[0][0].tier  # a load's first chunk comes from here
+        now = self._clock()
+        chosen = self._choose(full, segments, chunk_tokens, chunk_bytes, hit_tokens, total)
+        with self._lock:
+            last = self._last_load.get(first)
+            probe = not chosen.loads and last is not None and now - last > self.reprobe_after
+            if chosen.loads or probe:
+                self._last_load[first] = now
+        if probe:
+            # Recomputing everything from a tier never measures it again: one chunk now and then
+            # keeps its estimate current (a link that got fast again is seen), at a bounded cost.
+            chosen = self._plan_for(1, segments, chunk_bytes, hit_tokens, full.tier)
+        return self._count(chosen)
+
+    def _choose(self, full: LoadPlan, segments: Sequence[tuple[LinkSpeed, int, int]], chunk_tokens: Sequence[int],
+                chunk_bytes: int, hit_tokens: int, total: int) -> LoadPlan:
+        """The ``auto`` decision: the cheapest tier boundary to load up to (see the module docstring)."""
         if full.load_seconds is None:
-            return self._count(full)  # the link is unmeasured: load, and so measure it
+            return full  # the link is unmeasured: load, and so measure it
         if full.recompute_seconds is None:
             # The link is measured but no prefill was seen (every request so far was a hit): a load
             # that takes long is worth one recompute, which measures what recomputing costs.
             slow = full.load_seconds > self.explore_above
-            return self._count(self._plan_for(0, segments, chunk_bytes, hit_tokens, full.tier) if slow else full)
+            return self._plan_for(0, segments, chunk_bytes, hit_tokens, full.tier) if slow else full
         best: LoadPlan | None = None
         best_cost = 0.0
         for end in [0] + [e for _, _, e in segments]:  # fewer chunks first
@@ -147,7 +173,7 @@ class CostModel:
             if best is None or cost * self.margin < best_cost:
                 best, best_cost = candidate, cost
         assert best is not None
-        return self._count(best)
+        return best
 
     def _plan_for(self, chunks: int, segments: Sequence[tuple[LinkSpeed, int, int]], chunk_bytes: int,
                   hit_tokens: int, hit_tier: str) -> LoadPlan:

@@ -84,3 +84,22 @@ def test_reads_measured_in_another_process_take_the_place_of_the_local_bandwidth
     assert plan.chunks == 0 and model.load_seconds(local, 128 * MIB) == pytest.approx(0.01 + 128 * MIB / 50e6)
     model.observe_reads(local, 0, 1.0, 1)  # nothing moved: no information
     assert model.bandwidth(local) == pytest.approx(50e6)
+
+
+def test_a_tier_only_recomputed_is_probed_with_one_chunk_now_and_then():
+    """Recomputing never measures a tier again: after ``reprobe_after`` seconds one chunk is
+    loaded, and a link that got fast again is loaded from once more."""
+    now = [0.0]
+    model = CostModel(reprobe_after=300, clock=lambda: now[0])
+    model.observe_prefill(2000, 1.0)
+    link = LinkSpeed("redis")
+    assert model.plan([(link, 4)], [256] * 4, 32 * MIB).chunks == 4  # unmeasured: load
+    link.read(32 * MIB, 32 * MIB / 5e6)  # that load: 5 MB/s, ~27 s for 4 chunks against 0.5 s
+    now[0] = 100
+    assert model.plan([(link, 4)], [256] * 4, 32 * MIB).chunks == 0
+    now[0] = 301
+    assert model.plan([(link, 4)], [256] * 4, 32 * MIB).chunks == 1  # the probe
+    assert model.plan([(link, 4)], [256] * 4, 32 * MIB).chunks == 0  # once
+    for _ in range(30):
+        link.read(32 * MIB, 32 * MIB / 5e9)  # the link is fast again
+    assert model.plan([(link, 4)], [256] * 4, 32 * MIB).chunks == 4
