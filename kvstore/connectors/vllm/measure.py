@@ -8,9 +8,10 @@ seen by the workers, which may be other processes:
 * **how fast the engine prefills**: the forward of a step that computes at least
   ``PREFILL_SAMPLE_TOKENS`` prompt tokens and loads nothing synchronously, from
   ``bind_connector_metadata`` (vLLM binds the plan right before the forward; ``start_load_kv``
-  comes after it unless a load is synchronous) to ``wait_for_save``. On CUDA the forward is queued, not run, by then: CUDA events time it and are
-  read once they have completed, so measuring never synchronizes the stream. A wall clock between
-  two scheduler steps would count the idle time between requests as prefill.
+  comes after it unless a load is synchronous) to ``wait_for_save``. On CUDA the forward is
+  queued, not run, by then: CUDA events time it and are read once they have completed, so
+  measuring never synchronizes the stream. A wall clock between two scheduler steps would count
+  the idle time between requests as prefill.
 
 ``take()`` returns what was measured since the last call; the connector ships it in its
 ``KVConnectorStats`` and the scheduler's ``update_connector_output`` feeds the cost model.
