@@ -9,6 +9,7 @@ from kvstore.record.format import (
     DTYPES,
     FRAME_BYTES,
     MAGIC,
+    PayloadChecksum,
     Record,
     RecordHeader,
     decode_record,
@@ -18,6 +19,6 @@ from kvstore.record.format import (
     read_header,
 )
 
-__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "Record", "RecordAuth", "RecordHeader", "decode_record", "encode_record",
+__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "PayloadChecksum", "Record", "RecordAuth", "RecordHeader", "decode_record", "encode_record",
            "encode_record_pieces",
            "kv_nbytes", "read_header"]
