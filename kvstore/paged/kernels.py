@@ -18,6 +18,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvstore.types import array_view
+
 __all__ = ["HostLayer", "np_items", "host_bytes", "host_copy", "host_layers"]
 
 
@@ -115,7 +117,7 @@ def host_copy(layers: Sequence[HostLayer], slots: torch.Tensor, staging: np.ndar
             else:  # mode="raise" would buffer the whole output; the range is checked above
                 np.take(c, idx, out=st, mode="clip")
                 if each_copied is not None:
-                    each_copied(memoryview(staging[done:done + st.nbytes]))
+                    each_copied(array_view(staging[done:done + st.nbytes]))
                     done += st.nbytes
     return True
 
