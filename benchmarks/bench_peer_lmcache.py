@@ -76,7 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import machine
+from common import machine, memory_limits
 
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import Namespace
@@ -467,8 +467,9 @@ def versions(peer: bool = True) -> str:
             f"redis-server {server}, numpy {np.__version__}, {platform.platform()}")
 
 
-def render(results: dict, reps: int, peer: bool = True) -> str:
-    out = [f"Machine: {machine()}", f"Versions: {versions(peer)}", f"{reps} measured rounds (+1 warm-up), "
+def render(results: dict, reps: int, peer: bool = True, limits: str = "") -> str:
+    out = [f"Machine: {machine()}", *([f"Memory: {limits}"] if limits else []), f"Versions: {versions(peer)}",
+           f"{reps} measured rounds (+1 warm-up), "
            f"{N_CHUNKS} chunks per op, GB/s of KV (10^9 B/s), median [min-max].", ""]
     for name, res in results.items():
         loads = res["loads"]
@@ -524,6 +525,8 @@ def main() -> None:
     parser.add_argument("--no-peer", action="store_true", help="leave LMCache out (kvstore vs the raw ceiling only)")
     args = parser.parse_args()
     print(machine(), flush=True)
+    limits = memory_limits()
+    print(f"memory: {limits}", flush=True)
     peer = not args.no_peer
     if peer:
         _fix_lmcache_resp_sync_race()  # before any engine exists: add_reader binds _on_ready
@@ -536,14 +539,14 @@ def main() -> None:
             run_size(name, server, args.reps, results, peer)
     finally:
         server.close()
-    text = render(results, args.reps, peer)
+    text = render(results, args.reps, peer, limits)
     print("\n" + text)
     if args.out:
         Path(args.out).write_text(text)
     if args.json:
         import json
 
-        doc = {"machine": machine(), "versions": versions(peer), "reps": args.reps, "chunks": N_CHUNKS,
+        doc = {"machine": machine(), "memory": limits, "versions": versions(peer), "reps": args.reps, "chunks": N_CHUNKS,
                "sizes": {name: {"nbytes": r["nbytes"], "loads": r["loads"],
                                 "paths": {p: {"store": list(v[0]), "retrieve": list(v[1])} for p, v in r["paths"].items()},
                                 "lookups_ms": {k: list(v) for k, v in r["lookups"].items()}}

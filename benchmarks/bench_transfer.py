@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import machine
+from common import machine, memory_limits
 
 from kvstore.keys import Namespace
 from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
@@ -60,6 +60,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures as JSON here")
     args = parser.parse_args()
     print(machine(), flush=True)
+    print(f"memory: {memory_limits()}", flush=True)
     server = servers.RedisServer()
     try:
         run(server, args)

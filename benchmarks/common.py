@@ -52,3 +52,20 @@ def gbps(nbytes: int, times: list[float]) -> tuple[float, float, float]:
 
 def fmt(rate: tuple[float, float, float]) -> str:
     return f"{rate[0]:6.2f} [{rate[1]:.2f}-{rate[2]:.2f}]"
+
+
+def memory_limits(nbytes: int = 128 << 20, reps: int = 5) -> str:
+    """One line of this machine's memory limits now, measured in a second: a copy between two
+    resident buffers and the record checksum (xxh3) over bytes in memory and in the CPU's cache.
+    A VM's host can change under it (the copy has measured from 5 to 23 GB/s): a path that
+    copies or hashes is only comparable to another measured on the same host."""
+    import numpy as np
+    import xxhash
+
+    src, dst = np.ones(nbytes, dtype=np.uint8), np.ones(nbytes, dtype=np.uint8)
+    hot = src[:256 << 10]
+    copy = gbps(nbytes, timeit(lambda: np.copyto(dst, src), reps=reps))
+    cold = gbps(nbytes, timeit(lambda: xxhash.xxh3_64_digest(src), reps=reps))
+    cached = gbps(len(hot) * 64, timeit(lambda: [xxhash.xxh3_64_digest(hot) for _ in range(64)], reps=reps))
+    return (f"copy {copy[0]:.1f} GB/s, xxh3 from memory {cold[0]:.1f} GB/s, "
+            f"xxh3 in cache {cached[0]:.1f} GB/s (medians of {reps}, {nbytes >> 20} MiB)")

@@ -183,7 +183,11 @@ def test_raw_redis_set_get_pipelines_and_errors(redis_server_factory):
     sizes = r.get_many_into([k for k, _ in items] + [], bufs)
     assert sizes == [len(v) for _, v in items]
     assert all(bytes(b[:n]) == bytes(v) for b, n, (_, v) in zip(bufs, sizes, items))
-    assert r.delete(*[k for k, _ in items], "k") == len(items) + 1
+    seen = bytearray()  # before_send: every byte of every value, in order, just before it goes out
+    r.set_many([("big", (b"head:", memoryview(big)))] + items, before_send=seen.extend)
+    assert bytes(seen) == b"head:" + big.tobytes() + b"".join(bytes(v) for _, v in items)
+    assert r.get_into("big", buf) == 5 + big.nbytes and np.array_equal(buf[5:5 + big.nbytes], big)
+    assert r.delete(*[k for k, _ in items], "k", "big") == len(items) + 2
     with server.client(db=1) as c:  # what another client sees in db 1
         assert c.dbsize() == 0
     r.close()
