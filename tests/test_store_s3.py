@@ -74,6 +74,58 @@ def test_stopped_server_is_unavailable_within_the_deadline(s3_server_factory):
         assert store.get("k") == b"v"
 
 
+def test_get_into_reads_large_objects_in_parallel_parts_into_one_lease(s3_server):
+    from kvstore.buffers import BufferPool
+
+    sizes = [0, 10, 1 << 20, (1 << 20) + 1, 5 << 20, 3_333_333]
+    values = {f"p{i}": os.urandom(n) for i, n in enumerate(sizes)}
+    pool = BufferPool(64 << 20)
+    with open_store(s3_server.url_for("parts", part_size="1MiB", deadline="20s")) as store:
+        store.put_many(list(values.items()))
+        keys = [*values, "missing"]
+        got = []
+        for lease in store.get_into(keys, pool):
+            got.append(None if lease is None else bytes(lease.view))
+            if lease is not None:
+                lease.release()
+        assert got == [*values.values(), None]
+        assert pool.stats()["leased_bytes"] == 0 and pool.stats()["misses"] == 0
+        stream = store.get_into(keys, pool)  # abandoned after one value: the rest come back too
+        next(stream).release()
+        stream.close()
+        deadline = time.monotonic() + 10
+        while pool.stats()["leased_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.stats()["leased_bytes"] == 0
+
+
+def test_a_frozen_server_costs_get_into_one_deadline(s3_server_factory):
+    import signal
+
+    from kvstore.buffers import BufferPool
+
+    server = s3_server_factory()
+    pool = BufferPool(64 << 20)
+    with open_store(server.url_for("frozen", part_size="1MiB", deadline="1s", retries="0")) as store:
+        store.put_many([("a", os.urandom(3 << 20)), ("b", os.urandom(100))])
+        pid = server._proc.proc.pid
+        os.kill(pid, signal.SIGSTOP)  # the socket accepts, nothing answers
+        try:
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="deadline"):
+                list(store.get_into(["a", "b"], pool))
+            assert time.monotonic() - start < 2.5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 15  # the stuck GETs end by their socket timeouts, then release
+        while pool.stats()["leased_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.stats()["leased_bytes"] == 0
+        (lease,) = store.get_into(["b"], pool)  # the server answers again
+        assert bytes(lease.view) == store.get("b")
+        lease.release()
+
+
 def test_wrong_credentials_are_unavailable_not_a_miss(s3_server, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with open_store(s3_server.url_for("cred", retries="0")) as store:
@@ -90,6 +142,7 @@ def test_wrong_credentials_are_unavailable_not_a_miss(s3_server, monkeypatch):
     ("s3://key:secret@b/p", "standard chain"),
     ("s3://b/p?access=1", "accepted: "),
     ("s3://b/p?timeout=forever", "timeout"),
+    ("s3://b/p?part_size=4KiB", "part_size"),
 ])
 def test_bad_urls_name_the_parameter(url, fragment, s3_credentials):
     with pytest.raises(ConfigError) as info:

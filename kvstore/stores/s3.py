@@ -33,17 +33,20 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import boto3
 import botocore.exceptions
+import numpy as np
 from botocore.config import Config as BotoConfig
 
-from kvstore.buffers import Pieces
+from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.config import build, check_range, option, query_options, redact_url, split_url
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
-from kvstore.stores.base import Store, Value, WriteValue
+from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
+from kvstore.types import array_view
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -73,6 +76,8 @@ class S3Config:
     write_timeout: float = option(30.0, kind="duration", help="Deadline of each socket read of a background upload.")
     retries: int = option(1, help="Retries of a failed request (boto3 standard mode), 0 to 10; reads retry only "
                                   "within deadline.")
+    part_size: int = option(8 << 20, kind="size", help="Objects larger than this are read in parallel ranged GETs of "
+                                                       "this size (1MiB to 1GiB).")
 
     def __post_init__(self) -> None:
         if not self.bucket:
@@ -82,6 +87,7 @@ class S3Config:
                               "and underscores)")
         check_range("max_workers", self.max_workers, 1, 256)
         check_range("retries", self.retries, 0, 10)
+        check_range("part_size", self.part_size, 1 << 20, 1 << 30)
         for name in ("deadline", "timeout", "connect_timeout", "write_timeout"):
             value = getattr(self, name)
             if not 0 < value <= MAX_TIMEOUT:  # NaN fails too
@@ -112,6 +118,63 @@ class S3Config:
 
 class _Missing(Exception):
     """Internal: the object does not exist (a miss, never raised to callers)."""
+
+
+_LEASE_WAIT = 0.05  # seconds a GET waits for pool space before receiving into a buffer of its own
+
+
+class _Fetch:
+    """One value being received by ``get_into``: its lease and the ranged GETs still filling it."""
+
+    def __init__(self, lease: Lease, parts: list[Future[None]]) -> None:
+        self.lease = lease
+        self.parts = parts
+
+    def release(self) -> None:
+        """Give the lease back once no GET writes into it: pending ones are cancelled, running
+        ones release it when the last of them ends."""
+        running = [p for p in self.parts if not p.cancel() and not p.done()]
+        if not running:
+            self.lease.release()
+            return
+        left = [len(running)]
+        lock = threading.Lock()
+
+        def one_done(_: Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.lease.release()
+
+        for p in running:
+            p.add_done_callback(one_done)
+
+
+def _abandon(first: Future[_Fetch | None]) -> None:
+    """A value the consumer never took: release it whenever its first GET ends."""
+    if first.cancelled() or first.exception() is not None:
+        return
+    fetch = first.result()
+    if fetch is not None:
+        fetch.release()
+
+
+def _error_code(exc: BaseException | None) -> str:
+    if isinstance(exc, botocore.exceptions.ClientError):
+        return str(exc.response.get("Error", {}).get("Code", ""))
+    return ""
+
+
+def _object_size(content_range: str | None, length: int) -> int:
+    """The whole object's size from a ranged GET's ``Content-Range: bytes 0-N/SIZE`` (a server
+    that ignores the range sends the whole object: then its length)."""
+    if not content_range:
+        return length
+    total = content_range.rpartition("/")[2]
+    if not total.isdigit():
+        raise StoreUnavailableError(f"unexpected Content-Range {content_range!r}")
+    return int(total)
 
 
 def _is_missing(exc: botocore.exceptions.ClientError) -> bool:
@@ -321,6 +384,97 @@ class S3Store(Store):
     # -- batch forms: parallel requests ----------------------------------------------------------
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return self._read(self._get, list(keys))
+
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
+        """Values received straight into leases of ``pool`` (``readinto``: no buffer of botocore's
+        own), yielded in order while later ones still arrive, all within one ``deadline``.
+
+        Every key's first GET runs at once and asks for the object's first ``part_size`` bytes: the
+        reply tells the object's size. A larger object's other parts are then fetched by parallel
+        ranged GETs into the same lease, so one large record arrives over several connections.
+        A lease is released only once no request writes into it any more, however the stream
+        ends."""
+        keys = list(keys)
+        if not keys:
+            return
+        end = time.monotonic() + self.config.deadline
+        reads = self._pool("read")
+        firsts: list[Future[_Fetch | None]] = [reads.submit(self._first_part, k, pool, reads) for k in keys]
+        handed = 0  # values yielded: the consumer owns (and releases) their leases
+        try:
+            for first in firsts:
+                fetch = self._wait(first, end)
+                if fetch is not None:
+                    for part in fetch.parts:
+                        self._wait(part, end)
+                handed += 1
+                yield None if fetch is None else fetch.lease
+        finally:
+            for first in firsts[handed:]:
+                first.cancel()
+                first.add_done_callback(_abandon)
+
+    def _wait(self, future: Future[T], end: float) -> T:
+        try:
+            return future.result(timeout=max(0.0, end - time.monotonic()))
+        except FutureTimeout:
+            raise self._unavailable(f"no answer within deadline={self.config.deadline:g}s") from None
+
+    def _first_part(self, key: str, pool: BufferPool, reads: ThreadPoolExecutor) -> _Fetch | None:
+        """GET of ``key``'s first ``part_size`` bytes into a lease of its whole size; the other
+        parts' GETs submitted (not waited for: a pool thread never waits on the pool)."""
+        part = self.config.part_size
+        try:
+            response = self._call(self._client.get_object, Key=self._key(key), Range=f"bytes=0-{part - 1}")
+        except _Missing:
+            return None
+        except StoreUnavailableError as exc:
+            if _error_code(exc.__cause__) != "InvalidRange":
+                raise
+            return _Fetch(borrow(b""), [])  # an empty object: the record decoder says what it is
+        length = int(response["ContentLength"])
+        size = _object_size(response.get("ContentRange"), length)
+        lease = pool.lease(size, wait=_LEASE_WAIT) or borrow(array_view(np.empty(size, np.uint8)))
+        fetch = _Fetch(lease, [])
+        try:
+            self._read_body(response["Body"], lease.view[:length])
+            for start in range(length, size, part):
+                stop = min(size, start + part)
+                fetch.parts.append(reads.submit(self._read_range, key, start, lease.view[start:stop]))
+        except BaseException:
+            fetch.release()
+            raise
+        return fetch
+
+    def _read_range(self, key: str, start: int, into: memoryview) -> None:
+        response = self._call(self._client.get_object, Key=self._key(key),
+                              Range=f"bytes={start}-{start + len(into) - 1}")
+        if int(response["ContentLength"]) != len(into):  # the object changed between the parts
+            raise self._unavailable(f"{key}: a ranged GET of {len(into)} bytes returned {response['ContentLength']}")
+        self._read_body(response["Body"], into)
+
+    def _read_body(self, body: Any, into: memoryview) -> None:
+        """Fill ``into`` from a GET's body; botocore checks the length read against
+        Content-Length, so a cut transfer raises instead of leaving part of a value."""
+        done = 0
+        try:
+            while done < len(into):
+                n = body.readinto(into[done:])
+                if not n:
+                    break
+                done += n
+            if done < len(into):
+                body.readinto(into[done:])  # botocore raises IncompleteReadError here
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            raise self._unavailable(exc) from exc
+        except Exception as exc:  # urllib3 protocol errors while streaming the body
+            if type(exc).__module__.startswith("urllib3"):
+                raise self._unavailable(exc) from exc
+            raise
+        finally:
+            body.close()
+        if done < len(into):
+            raise self._unavailable(f"the body ended after {done} of {len(into)} bytes")
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         self._map(lambda kv: self.put(*kv), list(items))
