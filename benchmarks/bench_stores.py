@@ -13,7 +13,8 @@ Redis rows (one connection each, pipelined):
                    1 MiB socket reads: the best raw redis-py found, the ceiling for the ratios
   naive torch.save one torch.save blob per chunk -> SET; GET -> torch.load
   naive per-layer  pickle.dumps per layer -> pipelined SETs; GETs -> pickle.loads
-S3 rows: the store's parallel put_many/get_many, raw boto3 put_object/get_object on the same
+S3 rows: the store's parallel put_many/get_many, its get_into (values received into pool leases,
+objects over ``part_size`` as parallel ranged GETs), raw boto3 put_object/get_object on the same
 number of threads (default client config, and the tuned one the store uses), and torch.save ->
 put_object / get_object -> torch.load.
 
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import servers
 from common import gbps, machine
 
+from kvstore.buffers import BufferPool
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.record import decode_record, encode_record
 
@@ -238,6 +240,14 @@ def bench_s3(data: Chunks, reps: int) -> str:
         items = list(zip(data.keys, data.records))
         store = S3Store.from_url(server.url_for("bench"))
         table.add("store", lambda: store.put_many(items), lambda: store.get_many(data.keys))
+        pool = BufferPool(256 << 20)
+
+        def get_into() -> None:  # what a load does: values into pool leases, large ones in ranged parts
+            for lease in store.get_into(data.keys, pool):
+                assert lease is not None
+                lease.release()
+
+        table.add("store get_into", lambda: store.put_many(items), get_into)
         threads = ThreadPoolExecutor(min(16, data.n))
 
         def raw(config: Config):
