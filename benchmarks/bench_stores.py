@@ -13,6 +13,9 @@ Redis rows (one connection each, pipelined):
                    1 MiB socket reads: the best raw redis-py found, the ceiling for the ratios
   naive torch.save one torch.save blob per chunk -> SET; GET -> torch.load
   naive per-layer  pickle.dumps per layer -> pipelined SETs; GETs -> pickle.loads
+Redis Cluster rows (three primaries): the store's put_many and its reads by the client's pipeline
+(get_many) and by get_into (every node at once, into pool leases), against a raw zero-copy client
+per node on a thread each.
 S3 rows: the store's parallel put_many/get_many, its get_into (values received into pool leases,
 objects over ``part_size`` as parallel ranged GETs), raw boto3 put_object/get_object on the same
 number of threads (default client config, and the tuned one the store uses), and torch.save ->
@@ -21,7 +24,7 @@ put_object / get_object -> torch.load.
 Benchmark code only: the naive rows pickle and torch.load bytes they just wrote themselves.
 Library code never does either.
 
-    python benchmarks/bench_stores.py [--reps 5] [--only redis|s3]
+    python benchmarks/bench_stores.py [--reps 5] [--only redis|cluster|s3]
 """
 
 from __future__ import annotations
@@ -222,6 +225,57 @@ def bench_redis(data: Chunks, reps: int) -> str:
         server.close()
 
 
+def bench_cluster(data: Chunks, reps: int) -> str:
+    """A three-primary Redis Cluster: the store's reads against the client's pipeline and a raw
+    zero-copy client per node (one thread each, all nodes at once: the ceiling)."""
+    from concurrent.futures import ThreadPoolExecutor as Threads
+
+    import redis
+
+    from kvstore.stores.redis import RedisClusterStore
+    from kvstore.testing.rawredis import RawRedis
+
+    cluster = servers.RedisCluster()
+    try:
+        table = Table(f"Redis Cluster (3 primaries), {data.n} x {data.name} records per op "
+                      f"({data.nbytes / 2**20:.0f} MiB)", data.nbytes, setup=cluster.flushall)
+        print(table.title, flush=True)
+        items = list(zip(data.keys, data.records))
+        store = RedisClusterStore.from_url(cluster.url)
+        pool = BufferPool(256 << 20)
+
+        def get_into() -> None:  # what a load does: every node at once, into pool leases
+            for lease in store.get_into(data.keys, pool):
+                assert lease is not None
+                lease.release()
+
+        table.add("store put_many / get_many (pipeline)", lambda: store.put_many(items),
+                  lambda: store.get_many(data.keys))
+        table.add("store put_many / get_into", lambda: store.put_many(items), get_into)
+        client = redis.RedisCluster(port=cluster.ports[0])
+        by_port: dict[int, list[int]] = {}
+        for i, k in enumerate(data.keys):
+            by_port.setdefault(client.get_node_from_key(k).port, []).append(i)
+        raws = {port: RawRedis(port=port) for port in by_port}
+        buffers = [memoryview(np.ones(len(r), dtype=np.uint8)) for r in data.records]
+        threads = Threads(len(raws))
+
+        def raw_put() -> None:
+            list(threads.map(lambda p: raws[p].set_many([items[i] for i in by_port[p]]), by_port))
+
+        def raw_get() -> None:
+            list(threads.map(lambda p: raws[p].get_many_into([data.keys[i] for i in by_port[p]],
+                                                             [buffers[i] for i in by_port[p]]), by_port))
+
+        table.add("raw zero-copy, a thread per node", raw_put, raw_get)
+        table.run(reps)
+        store.close()
+        threads.shutdown()
+        return table.render("raw zero-copy, a thread per node")
+    finally:
+        cluster.close()
+
+
 def bench_s3(data: Chunks, reps: int) -> str:
     import boto3
     from botocore.config import Config
@@ -291,18 +345,20 @@ def bench_s3(data: Chunks, reps: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--only", choices=("redis", "s3"))
+    parser.add_argument("--only", choices=("redis", "cluster", "s3"))
     parser.add_argument("--out", help="also write the tables (markdown) here")
     args = parser.parse_args()
     header = f"machine: {machine()}\nversions: {versions()}\n"
     print(header)
     sections = []
-    plans = [("redis", "32MiB", 4), ("redis", "3MiB", 16), ("s3", "32MiB", 4), ("s3", "3MiB", 16)]
+    plans = [("redis", "32MiB", 4), ("redis", "3MiB", 16), ("cluster", "32MiB", 6), ("cluster", "3MiB", 16),
+             ("s3", "32MiB", 4), ("s3", "3MiB", 16)]
+    benches = {"redis": bench_redis, "cluster": bench_cluster, "s3": bench_s3}
     for backend, shape, n in plans:
         if args.only and backend != args.only:
             continue
         data = Chunks(shape, n)
-        sections.append((bench_redis if backend == "redis" else bench_s3)(data, args.reps))
+        sections.append(benches[backend](data, args.reps))
         del data
     text = header + "\n" + "\n".join(sections)
     print(text)

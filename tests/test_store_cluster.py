@@ -46,3 +46,77 @@ def test_cluster_url_from_any_node_with_several_startup_nodes(redis_cluster):
         store.put("x", b"1")
         assert store.get("x") == b"1"
         assert store.describe()["store"] == "redis+cluster"
+
+
+def test_get_into_reads_every_node_at_once_into_pool_leases(redis_cluster):
+    import os
+
+    from kvstore.buffers import BufferPool
+
+    redis_cluster.flushall()
+    keys = [f"kvs1/ns/{i:04x}" for i in range(12)]
+    values = {k: os.urandom(200_000 + i) for i, k in enumerate(keys)}
+    pool = BufferPool(64 << 20)
+    with open_store(redis_cluster.url) as store:
+        store.put_many(list(values.items()))
+        routes = store._direct_reads(keys)
+        assert routes is not None and len(routes) == 3  # the batch's keys live on all three primaries
+        got = []
+        for lease in store.get_into([*keys, "kvs1/ns/absent"], pool):
+            got.append(None if lease is None else bytes(lease.view))
+            if lease is not None:
+                lease.release()
+        assert got == [*values.values(), None]
+        stats = pool.stats()
+        assert stats["leases"] == len(keys) and stats["misses"] == 0 and stats["leased_bytes"] == 0
+
+
+def test_get_into_finishes_a_batch_whose_slots_moved_and_learns_their_homes(redis_cluster):
+    redis_cluster.flushall()
+    keys = [f"kvs1/mv/{i:04x}" for i in range(9)]
+    with open_store(redis_cluster.url) as store:
+        store.put_many([(k, k.encode()) for k in keys])
+        client = store._redis
+        manager = client.nodes_manager
+        slot = client.keyslot(keys[4])
+        home = manager.slots_cache[slot][0]
+        elsewhere = next(n for n in client.get_primaries() if n.name != home.name)
+        manager.slots_cache[slot] = [elsewhere]  # the client believes the slot moved: the node says MOVED
+        from kvstore.buffers import BufferPool
+
+        rerouted = []
+        learn = store._rerouted
+        store._rerouted = lambda: (rerouted.append(1), learn())[1]
+        leases = list(store.get_into(keys, BufferPool(16 << 20)))
+        assert [bytes(x.view) for x in leases] == [k.encode() for k in keys]
+        assert rerouted == [1]  # the direct read was told MOVED, and the pipeline finished the batch
+        for lease in leases:
+            lease.release()
+        assert manager.slots_cache[slot][0].name == home.name  # relearned for the next batch
+
+
+def test_a_frozen_node_costs_get_into_one_short_deadline(redis_cluster):
+    import os
+    import signal
+    import time
+
+    from kvstore.buffers import BufferPool
+    from kvstore.errors import StoreUnavailableError
+
+    redis_cluster.flushall()
+    keys = [f"kvs1/fz/{i:04x}" for i in range(9)]
+    pool = BufferPool(16 << 20)
+    with open_store(redis_cluster.url + "?timeout=200ms&connect_timeout=200ms&retries=0") as store:
+        store.put_many([(k, b"v" * 100_000) for k in keys])
+        frozen = redis_cluster.nodes[1]._proc.proc.pid
+        os.kill(frozen, signal.SIGSTOP)  # the socket accepts, nothing answers; thawed long before
+        try:                             # the cluster's node timeout (2 s) could mark it failed
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailableError):
+                for lease in store.get_into(keys, pool):
+                    lease.release()
+            assert time.monotonic() - start < 1.0
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        assert pool.stats()["leased_bytes"] == 0
+        assert [bytes(v) for v in store.get_many(keys)] == [b"v" * 100_000] * len(keys)

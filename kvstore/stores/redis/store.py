@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -47,7 +47,7 @@ from kvstore.config import redact_url
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
 from kvstore.stores.redis import hooks
-from kvstore.stores.redis.config import RedisConfig
+from kvstore.stores.redis.config import MAX_SPREAD, RedisConfig
 from kvstore.stores.redis.waves import Cancelled, Waves
 from kvstore.types import array_view
 
@@ -75,6 +75,11 @@ def _as_redis_error(exc: BaseException) -> BaseException:
     error = kind(f"{type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error
+
+
+def _redirected(exc: BaseException) -> bool:
+    """A cluster's answer that the key's slot is served elsewhere (MOVED, ASK)."""
+    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(("MOVED ", "ASK "))
 
 
 class _Slot:
@@ -124,6 +129,17 @@ class _RedisStoreBase(Store):
         """The pool (of the read or the write client) whose connections can serve any key, for
         direct I/O; None in a cluster."""
         return None
+
+    def _direct_reads(self, keys: Sequence[str]) -> list[tuple[Any, list[int]]] | None:
+        """Where direct reads of ``keys`` go: ``(connection pool, indices of the keys it
+        serves)`` per server, or None where only the client's pipeline can."""
+        pool = self._direct_pool()
+        return None if pool is None else [(pool, list(range(len(keys))))]
+
+    def _rerouted(self) -> None:
+        """A direct read was told its key lives elsewhere (a cluster's slots moved)."""
+
+    _READ_THREADS = 0  # threads of direct reads beyond the spread (a cluster reads every node at once)
 
     def _connection_kwargs(self, timeout: float) -> dict[str, Any]:
         c = self.config
@@ -213,7 +229,8 @@ class _RedisStoreBase(Store):
                 executor = self._executors.get(writes)
                 if executor is None:
                     executor = self._executors[writes] = ThreadPoolExecutor(
-                        self._spread, thread_name_prefix=f"kvstore-redis-{'w' if writes else 'r'}")
+                        self._spread + (0 if writes else self._READ_THREADS),
+                        thread_name_prefix=f"kvstore-redis-{'w' if writes else 'r'}")
         return executor
 
     def _exchange(self, pool: Any, commands: Sequence[list[Any]],
@@ -312,28 +329,44 @@ class _RedisStoreBase(Store):
         return out
 
     def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
-        """Values received straight into leases of ``pool`` over ``connections`` connections
-        (value i on connection i mod N) under one ``Waves`` budget (about ``_IN_FLIGHT_BYTES``
-        requested ahead); value i is yielded while later ones are still arriving."""
-        direct = self._direct_pool() if keys else None
-        if direct is None:
+        """Values received straight into leases of ``pool`` over ``connections`` connections per
+        server (on a cluster: to every node of the batch at once), under one ``Waves`` budget
+        (about ``_IN_FLIGHT_BYTES`` requested ahead); value i is yielded while later ones are
+        still arriving. A cluster whose slots moved under a batch finishes it through the
+        client's pipeline, which follows the redirections."""
+        routes = self._direct_reads(keys) if keys else None
+        if routes is None:
             yield from super().get_into(keys, pool)
             return
+        done = yield from self._get_into_direct(keys, routes, pool)
+        if done < len(keys):
+            self._rerouted()
+            yield from super().get_into(keys[done:], pool)
+
+    def _get_into_direct(self, keys: Sequence[str], routes: list[tuple[Any, list[int]]],
+                         pool: BufferPool) -> Generator[Lease | None, None, int]:
+        """The direct part of ``get_into``; returns how many values it yielded (all of them
+        unless a key was redirected)."""
         slots = [_Slot() for _ in keys]
         commands = [hooks.pack_command("GET", self._key(k)) for k in keys]
-        readers = max(1, min(self._spread, len(keys)))
-        waves = Waves(len(keys), _IN_FLIGHT_BYTES, self._reply_size, readers)
+        per_server = max(1, self._spread // len(routes))
+        readers = [(direct, share[r::n]) for direct, share in routes
+                   for n in [max(1, min(per_server, len(share)))] for r in range(n)]
+        waves = Waves(len(keys), _IN_FLIGHT_BYTES, self._reply_size, len(readers))
         futures: list[Future[None]] = [
-            self._threads().submit(self._read_into, direct, commands, range(r, len(keys), readers), slots, pool, waves)
-            for r in range(readers)]
+            self._threads().submit(self._read_into, direct, commands, share, slots, pool, waves)
+            for direct, share in readers]
         try:
-            for slot in slots:
+            for i, slot in enumerate(slots):
                 slot.done.wait()
                 if slot.error is not None:
+                    if _redirected(slot.error):
+                        return i
                     with self._errors():
                         raise slot.error
                 lease, slot.lease = slot.lease, None
                 yield lease
+            return len(keys)
         finally:
             waves.cancel()
             for fut in futures:
@@ -344,7 +377,7 @@ class _RedisStoreBase(Store):
                     slot.lease.release()
                     slot.lease = None
 
-    def _read_into(self, direct: Any, commands: list[list[Any]], share: range, slots: list[_Slot],
+    def _read_into(self, direct: Any, commands: list[list[Any]], share: Sequence[int], slots: list[_Slot],
                    pool: BufferPool, waves: Waves) -> None:
         """One connection's share of a ``get_into`` batch. A failure ends the whole batch: every
         slot not yet filled gets the error (the consumer raises it at the first such value)."""
@@ -553,7 +586,27 @@ class RedisStore(_RedisStoreBase):
 
 
 class RedisClusterStore(_RedisStoreBase):
-    """A Redis Cluster: keys hash to slots on several primaries; batches go one per node."""
+    """A Redis Cluster: keys hash to slots on several primaries; batches go one per node, and
+    ``get_into`` reads every node of a batch at once."""
+
+    _READ_THREADS = MAX_SPREAD  # up to one reader per node beyond the spread (created as needed)
+
+    def _direct_reads(self, keys: Sequence[str]) -> list[tuple[Any, list[int]]] | None:
+        client = self._redis
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        try:
+            for i, key in enumerate(keys):
+                node = client.get_node_from_key(self._key(key))
+                by_node.setdefault(node.name, (node, []))[1].append(i)
+            if len(by_node) > self._READ_THREADS:
+                return None  # more nodes than readers: the pipeline visits them
+            return [(client.get_redis_connection(node).connection_pool, share) for node, share in by_node.values()]
+        except redis.exceptions.RedisError:  # e.g. a slot not covered now: the pipeline says what is wrong
+            return None
+
+    def _rerouted(self) -> None:
+        with self._errors():
+            self._redis.nodes_manager.initialize()  # learn the slots' new homes for the next batch
 
 
     def _make_client(self, timeout: float) -> redis.cluster.RedisCluster:
