@@ -99,6 +99,25 @@ def test_get_into_reads_large_objects_in_parallel_parts_into_one_lease(s3_server
         assert pool.stats()["leased_bytes"] == 0
 
 
+def test_closing_the_store_under_a_get_into_is_unavailable_and_frees_its_leases(s3_server):
+    from kvstore.buffers import BufferPool
+
+    pool = BufferPool(64 << 20)
+    store = open_store(s3_server.url_for("closing", part_size="1MiB", max_workers="2", deadline="20s"))
+    keys = [f"c{i}" for i in range(8)]
+    store.put_many([(k, os.urandom(3 << 20)) for k in keys])
+    stream = store.get_into(keys, pool)
+    next(stream).release()
+    store.close()
+    with pytest.raises(StoreUnavailableError, match="closed"):
+        for lease in stream:
+            lease.release()
+    deadline = time.monotonic() + 10
+    while pool.stats()["leased_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.stats()["leased_bytes"] == 0
+
+
 def test_a_frozen_server_costs_get_into_one_deadline(s3_server_factory):
     import signal
 

@@ -32,7 +32,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -130,10 +130,14 @@ class _Fetch:
         self.lease = lease
         self.parts = parts
 
-    def release(self) -> None:
+    def release(self, wait_for: float = 0.0) -> None:
         """Give the lease back once no GET writes into it: pending ones are cancelled, running
-        ones release it when the last of them ends."""
+        ones are waited for up to ``wait_for`` seconds, and release it when the last of them
+        ends if they are still running then."""
         running = [p for p in self.parts if not p.cancel() and not p.done()]
+        if running and wait_for > 0:
+            wait(running, timeout=wait_for)
+            running = [p for p in running if not p.done()]
         if not running:
             self.lease.release()
             return
@@ -172,8 +176,8 @@ def _object_size(content_range: str | None, length: int) -> int:
     if not content_range:
         return length
     total = content_range.rpartition("/")[2]
-    if not total.isdigit():
-        raise StoreUnavailableError(f"unexpected Content-Range {content_range!r}")
+    if not total.isdigit() or int(total) < length:
+        raise StoreUnavailableError(f"unexpected Content-Range {content_range!r} for {length} bytes")
     return int(total)
 
 
@@ -389,36 +393,56 @@ class S3Store(Store):
         """Values received straight into leases of ``pool`` (``readinto``: no buffer of botocore's
         own), yielded in order while later ones still arrive, all within one ``deadline``.
 
-        Every key's first GET runs at once and asks for the object's first ``part_size`` bytes: the
-        reply tells the object's size. A larger object's other parts are then fetched by parallel
-        ranged GETs into the same lease, so one large record arrives over several connections.
-        A lease is released only once no request writes into it any more, however the stream
-        ends."""
+        The first GETs of up to ``max_workers`` values ahead of the consumer run at once, each
+        asking for the object's first ``part_size`` bytes: the reply tells the object's size. A
+        larger object's other parts are then fetched by parallel ranged GETs into the same lease
+        (``If-Match`` its first part's ETag: an object rewritten meanwhile is unavailable, never
+        a mix of two writes), so one large record arrives over several connections. A lease is
+        released only once no request writes into it any more, however the stream ends."""
         keys = list(keys)
-        if not keys:
-            return
         end = time.monotonic() + self.config.deadline
-        reads = self._pool("read")
-        firsts: list[Future[_Fetch | None]] = [reads.submit(self._first_part, k, pool, reads) for k in keys]
+        window = self.config.max_workers  # values in flight ahead of the consumer: bounds the leased bytes
+        firsts: list[Future[_Fetch | None]] = []
         handed = 0  # values yielded: the consumer owns (and releases) their leases
         try:
-            for first in firsts:
-                fetch = self._wait(first, end)
+            reads = self._pool("read")
+            for i in range(len(keys)):
+                while len(firsts) < min(len(keys), i + window):
+                    firsts.append(self._submit(reads, self._first_part, keys[len(firsts)], pool, reads))
+                fetch = self._wait(firsts[i], end)
                 if fetch is not None:
                     for part in fetch.parts:
                         self._wait(part, end)
                 handed += 1
                 yield None if fetch is None else fetch.lease
         finally:
-            for first in firsts[handed:]:
+            # What a healthy server has in flight ends at once: its leases go back now. What a
+            # frozen one still holds once the deadline has passed goes back when its GETs end.
+            rest = firsts[handed:]
+            for first in rest:
                 first.cancel()
-                first.add_done_callback(_abandon)
+            wait(rest, timeout=max(0.0, end - time.monotonic()))
+            for first in rest:
+                if first.done() and not first.cancelled() and first.exception() is None:
+                    fetch = first.result()
+                    if fetch is not None:
+                        fetch.release(wait_for=max(0.0, end - time.monotonic()))
+                else:
+                    first.add_done_callback(_abandon)
+
+    def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., R], *args: Any) -> Future[R]:
+        try:
+            return pool.submit(fn, *args)
+        except RuntimeError as exc:  # the store was closed (or the interpreter is exiting)
+            raise self._unavailable(f"closed: {exc}") from exc
 
     def _wait(self, future: Future[T], end: float) -> T:
         try:
             return future.result(timeout=max(0.0, end - time.monotonic()))
         except FutureTimeout:
             raise self._unavailable(f"no answer within deadline={self.config.deadline:g}s") from None
+        except CancelledError:  # cancelled by close()
+            raise self._unavailable("closed while reading") from None
 
     def _first_part(self, key: str, pool: BufferPool, reads: ThreadPoolExecutor) -> _Fetch | None:
         """GET of ``key``'s first ``part_size`` bytes into a lease of its whole size; the other
@@ -431,25 +455,36 @@ class S3Store(Store):
         except StoreUnavailableError as exc:
             if _error_code(exc.__cause__) != "InvalidRange":
                 raise
-            return _Fetch(borrow(b""), [])  # an empty object: the record decoder says what it is
-        length = int(response["ContentLength"])
-        size = _object_size(response.get("ContentRange"), length)
-        lease = pool.lease(size, wait=_LEASE_WAIT) or borrow(array_view(np.empty(size, np.uint8)))
+            return _Fetch(borrow(bytearray()), [])  # an empty object: the record decoder says what it is
+        body = response["Body"]
+        try:
+            length = int(response["ContentLength"])
+            size = _object_size(response.get("ContentRange"), length)
+            lease = pool.lease(size, wait=_LEASE_WAIT) or borrow(array_view(np.empty(size, np.uint8)))
+        except BaseException:
+            body.close()
+            raise
         fetch = _Fetch(lease, [])
         try:
-            self._read_body(response["Body"], lease.view[:length])
+            self._read_body(body, lease.view[:length])
+            etag = response.get("ETag")
             for start in range(length, size, part):
                 stop = min(size, start + part)
-                fetch.parts.append(reads.submit(self._read_range, key, start, lease.view[start:stop]))
+                fetch.parts.append(self._submit(reads, self._read_range, key, etag, start, lease.view[start:stop]))
         except BaseException:
             fetch.release()
             raise
         return fetch
 
-    def _read_range(self, key: str, start: int, into: memoryview) -> None:
-        response = self._call(self._client.get_object, Key=self._key(key),
-                              Range=f"bytes={start}-{start + len(into) - 1}")
+    def _read_range(self, key: str, etag: str | None, start: int, into: memoryview) -> None:
+        match = {"IfMatch": etag} if etag else {}
+        try:
+            response = self._call(self._client.get_object, Key=self._key(key),
+                                  Range=f"bytes={start}-{start + len(into) - 1}", **match)
+        except _Missing:
+            raise self._unavailable(f"{key} was deleted while it was read") from None
         if int(response["ContentLength"]) != len(into):  # the object changed between the parts
+            response["Body"].close()
             raise self._unavailable(f"{key}: a ranged GET of {len(into)} bytes returned {response['ContentLength']}")
         self._read_body(response["Body"], into)
 

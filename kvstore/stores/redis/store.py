@@ -29,6 +29,7 @@ frozen server costs at most ``deadline`` = ``connect_timeout + timeout``.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -52,6 +53,8 @@ from kvstore.stores.redis.waves import Cancelled, Waves
 from kvstore.types import array_view
 
 __all__ = ["RedisStore", "RedisClusterStore"]
+
+log = logging.getLogger("kvstore.stores")
 
 _SCAN_COUNT = 1000
 # redis-py reads replies in socket_read_size pieces (64 KiB by default) and feeds each to
@@ -139,7 +142,10 @@ class _RedisStoreBase(Store):
     def _rerouted(self) -> None:
         """A direct read was told its key lives elsewhere (a cluster's slots moved)."""
 
-    _READ_THREADS = 0  # threads of direct reads beyond the spread (a cluster reads every node at once)
+    #: Threads of direct reads beyond the spread, created only as needed: enough that a batch's
+    #: reader never queues behind another batch's (a batch's readers wait on each other's
+    #: progress through ``Waves``), and that a cluster reads every node of a batch at once.
+    _READ_THREADS = 4 * MAX_SPREAD
 
     def _connection_kwargs(self, timeout: float) -> dict[str, Any]:
         c = self.config
@@ -340,8 +346,8 @@ class _RedisStoreBase(Store):
             return
         done = yield from self._get_into_direct(keys, routes, pool)
         if done < len(keys):
-            self._rerouted()
             yield from super().get_into(keys[done:], pool)
+            self._rerouted()
 
     def _get_into_direct(self, keys: Sequence[str], routes: list[tuple[Any, list[int]]],
                          pool: BufferPool) -> Generator[Lease | None, None, int]:
@@ -353,10 +359,11 @@ class _RedisStoreBase(Store):
         readers = [(direct, share[r::n]) for direct, share in routes
                    for n in [max(1, min(per_server, len(share)))] for r in range(n)]
         waves = Waves(len(keys), _IN_FLIGHT_BYTES, self._reply_size, len(readers))
-        futures: list[Future[None]] = [
-            self._threads().submit(self._read_into, direct, commands, share, slots, pool, waves)
-            for direct, share in readers]
+        futures: list[Future[None]] = []
         try:
+            threads = self._threads()
+            for direct, share in readers:
+                futures.append(threads.submit(self._read_into, direct, commands, share, slots, pool, waves))
             for i, slot in enumerate(slots):
                 slot.done.wait()
                 if slot.error is not None:
@@ -589,8 +596,6 @@ class RedisClusterStore(_RedisStoreBase):
     """A Redis Cluster: keys hash to slots on several primaries; batches go one per node, and
     ``get_into`` reads every node of a batch at once."""
 
-    _READ_THREADS = MAX_SPREAD  # up to one reader per node beyond the spread (created as needed)
-
     def _direct_reads(self, keys: Sequence[str]) -> list[tuple[Any, list[int]]] | None:
         client = self._redis
         by_node: dict[str, tuple[Any, list[int]]] = {}
@@ -598,15 +603,19 @@ class RedisClusterStore(_RedisStoreBase):
             for i, key in enumerate(keys):
                 node = client.get_node_from_key(self._key(key))
                 by_node.setdefault(node.name, (node, []))[1].append(i)
-            if len(by_node) > self._READ_THREADS:
-                return None  # more nodes than readers: the pipeline visits them
+            if len(by_node) > MAX_SPREAD:
+                return None  # more nodes than one batch reads at once: the pipeline visits them
             return [(client.get_redis_connection(node).connection_pool, share) for node, share in by_node.values()]
-        except redis.exceptions.RedisError:  # e.g. a slot not covered now: the pipeline says what is wrong
-            return None
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
+            return None  # e.g. a slot not covered now: the pipeline says what is wrong
 
     def _rerouted(self) -> None:
-        with self._errors():
-            self._redis.nodes_manager.initialize()  # learn the slots' new homes for the next batch
+        """Learn the slots' new homes for the next batch (best effort: the pipeline that finished
+        this one followed the redirections itself)."""
+        try:
+            self._redis.nodes_manager.initialize()
+        except Exception as exc:  # noqa: BLE001 - an outage shows in the next call, not here
+            log.debug("refreshing the cluster's slots failed: %s", exc)
 
 
     def _make_client(self, timeout: float) -> redis.cluster.RedisCluster:
