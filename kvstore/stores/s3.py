@@ -391,7 +391,8 @@ class S3Store(Store):
 
     def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         """Values received straight into leases of ``pool`` (``readinto``: no buffer of botocore's
-        own), yielded in order while later ones still arrive, all within one ``deadline``.
+        own), yielded in order while later ones still arrive, each within ``deadline`` of its
+        first request (a consumer's own work between values never counts against the server).
 
         The first GETs of up to ``max_workers`` values ahead of the consumer run at once, each
         asking for the object's first ``part_size`` bytes: the reply tells the object's size. A
@@ -400,22 +401,24 @@ class S3Store(Store):
         a mix of two writes), so one large record arrives over several connections. A lease is
         released only once no request writes into it any more, however the stream ends."""
         keys = list(keys)
-        end = time.monotonic() + self.config.deadline
         window = self.config.max_workers  # values in flight ahead of the consumer: bounds the leased bytes
         firsts: list[Future[_Fetch | None]] = []
+        ends: list[float] = []  # each value's deadline, from when its first GET was sent
         handed = 0  # values yielded: the consumer owns (and releases) their leases
         try:
             reads = self._pool("read")
             for i in range(len(keys)):
                 while len(firsts) < min(len(keys), i + window):
                     firsts.append(self._submit(reads, self._first_part, keys[len(firsts)], pool, reads))
-                fetch = self._wait(firsts[i], end)
+                    ends.append(time.monotonic() + self.config.deadline)
+                fetch = self._wait(firsts[i], ends[i])
                 if fetch is not None:
                     for part in fetch.parts:
-                        self._wait(part, end)
+                        self._wait(part, ends[i])
                 handed += 1
                 yield None if fetch is None else fetch.lease
         finally:
+            end = max(ends, default=0.0)
             # What a healthy server has in flight ends at once: its leases go back now. What a
             # frozen one still holds once the deadline has passed goes back when its GETs end.
             rest = firsts[handed:]
