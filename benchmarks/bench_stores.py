@@ -252,7 +252,7 @@ def bench_cluster(data: Chunks, reps: int) -> str:
         table.add("store put_many / get_many (pipeline)", lambda: store.put_many(items),
                   lambda: store.get_many(data.keys))
         table.add("store put_many / get_into", lambda: store.put_many(items), get_into)
-        client = redis.RedisCluster(port=cluster.ports[0])
+        client = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0])
         by_port: dict[int, list[int]] = {}
         for i, k in enumerate(data.keys):
             by_port.setdefault(client.get_node_from_key(k).port, []).append(i)

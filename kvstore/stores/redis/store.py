@@ -358,7 +358,9 @@ class _RedisStoreBase(Store):
         per_server = max(1, self._spread // len(routes))
         readers = [(direct, share[r::n]) for direct, share in routes
                    for n in [max(1, min(per_server, len(share)))] for r in range(n)]
-        waves = Waves(len(keys), _IN_FLIGHT_BYTES, self._reply_size, len(readers))
+        # One budget per server: each builds only its own replies (a cluster's keys spread over
+        # its nodes evenly, by hash slot), so the silence a socket can see stays that of one.
+        waves = Waves(len(keys), _IN_FLIGHT_BYTES * len(routes), self._reply_size, len(readers))
         futures: list[Future[None]] = []
         try:
             threads = self._threads()
