@@ -6,7 +6,8 @@ but not yet received are bytes the server copies before a socket hears anything.
 connections each asking for a 32 MiB value at once, the last socket waits for 128 MiB of
 copying, which is a long silence on a busy server and a read deadline missed. A window per
 connection would multiply that silence by the number of connections. ``Waves`` bounds the batch
-instead. Value ``j`` may be requested once ``j < received + budget / size``. Before the first
+instead (a cluster's batch gets one budget per node it reads: each node builds only its own
+replies). Value ``j`` may be requested once ``j < received + budget / size``. Before the first
 reply the size is the caller's hint (the store's previous batch), or unknown, and then only
 value 0 may be requested. Each connection requests its own values (value
 ``j`` on connection ``j mod N``) up to that frontier, so consecutive values arrive on different
