@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -341,11 +342,17 @@ class S3Store(Store):
             response = self._call(self._client.get_object, Key=self._key(key))
         except _Missing:
             return None
-        try:
+        with self._body_errors():
             # botocore checks the length read against Content-Length: a cut transfer raises
-            # (below) instead of returning part of a record.
+            # instead of returning part of a record.
             body: bytes = response["Body"].read()
-            return body
+        return body
+
+    @contextmanager
+    def _body_errors(self) -> Iterator[None]:
+        """Errors while a GET's body streams in, as ``StoreUnavailableError``."""
+        try:
+            yield
         except (botocore.exceptions.BotoCoreError, OSError) as exc:
             raise self._unavailable(exc) from exc
         except Exception as exc:  # urllib3 protocol errors while streaming the body
@@ -496,19 +503,14 @@ class S3Store(Store):
         Content-Length, so a cut transfer raises instead of leaving part of a value."""
         done = 0
         try:
-            while done < len(into):
-                n = body.readinto(into[done:])
-                if not n:
-                    break
-                done += n
-            if done < len(into):
-                body.readinto(into[done:])  # botocore raises IncompleteReadError here
-        except (botocore.exceptions.BotoCoreError, OSError) as exc:
-            raise self._unavailable(exc) from exc
-        except Exception as exc:  # urllib3 protocol errors while streaming the body
-            if type(exc).__module__.startswith("urllib3"):
-                raise self._unavailable(exc) from exc
-            raise
+            with self._body_errors():
+                while done < len(into):
+                    n = body.readinto(into[done:])
+                    if not n:
+                        break
+                    done += n
+                if done < len(into):
+                    body.readinto(into[done:])  # botocore raises IncompleteReadError here
         finally:
             body.close()
         if done < len(into):
