@@ -336,9 +336,9 @@ class _RedisStoreBase(Store):
 
     def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         """Values received straight into leases of ``pool`` over ``connections`` connections per
-        server (on a cluster: to every node of the batch at once), under one ``Waves`` budget
-        (about ``_IN_FLIGHT_BYTES`` requested ahead); value i is yielded while later ones are
-        still arriving. A cluster whose slots moved under a batch finishes it through the
+        server (on a cluster: to every node of the batch at once), under one ``Waves`` budget of
+        about ``_IN_FLIGHT_BYTES`` requested ahead per server; value i is yielded while later
+        ones are still arriving. A cluster whose slots moved under a batch finishes it through the
         client's pipeline, which follows the redirections."""
         routes = self._direct_reads(keys) if keys else None
         if routes is None:
