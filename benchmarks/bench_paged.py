@@ -27,7 +27,7 @@ import torch
 from kvstore.keys import Namespace
 from kvstore.paged import BHNCLayout, CPUPackedLayout, FlashLayout, KVTransfer, MLALayout, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
-from kvstore.record import PayloadChecksum, encode_record, read_header
+from kvstore.record import PayloadChecksum, decode_record, encode_record
 from kvstore.stores.memory import MemoryStore
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 512, 2048, 256
@@ -129,7 +129,7 @@ def main() -> None:
             kv = staging.reshape(-1).view(torch.uint8).numpy()
             rec = encode_record(namespace=ns, chunk=c, tokens=tokens[c.start:c.end], dtype="bfloat16",
                                 shapes=xfer._shapes(c.num_tokens), kv=kv)
-            payloads.append(memoryview(rec)[len(rec) - read_header(rec).payload_len:])
+            payloads.append(decode_record(rec).kv)  # a view of the record's payload (raw codec)
         nbytes = sum(len(p) for p in payloads)
         src = torch.randn(nbytes // 2).to(torch.bfloat16)
         dst = torch.empty_like(src)

@@ -23,29 +23,33 @@ Contract:
 * Thread-safe.
 
 ``Pieces`` is one value made of several buffers (a record's header beside its payload) that
-stores send or write in order without joining them, optionally owned by a lease.
+stores send or write in order without joining them, optionally owned by a lease, and optionally
+ended by a trailer computed from the bytes before it (a record's checksum) as they stream out.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from kvstore.errors import ConfigError
 from kvstore.types import Buffer
 
-__all__ = ["BufferPool", "Lease", "Pieces", "borrow", "default_pool", "configure_default_pool", "DEFAULT_POOL_BYTES",
-           "byte_view"]
+__all__ = ["BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool", "configure_default_pool",
+           "DEFAULT_POOL_BYTES", "STREAM_SLICE", "byte_view"]
 
 #: Default budget of the process-wide pool (``configure_default_pool`` changes it).
 DEFAULT_POOL_BYTES = 1 << 30
 _ALIGN = 1 << 16  # buffers are sized in 64 KiB steps: a record's header varies by a few KiB
 _PAGE = 4096
+#: ``Pieces.stream`` hands sealed parts out in slices this large: small enough that a slice the
+#: seal has just read is still in the CPU's cache when the consumer sends or copies it.
+STREAM_SLICE = 1 << 20
 
 
 class Lease:
@@ -104,31 +108,98 @@ def byte_view(buf: Any) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
+class Sealing(Protocol):
+    """One pass of a ``Seal`` over a value's sealed bytes."""
+
+    def update(self, data: memoryview) -> None: ...
+
+    def finish(self) -> bytes: ...
+
+
+class Seal(Protocol):
+    """How a ``Pieces`` value computes its trailer: from ``parts[first:]``, in order."""
+
+    #: The trailer's size in bytes, known before any byte is streamed.
+    nbytes: int
+    #: The index of the first part the trailer covers (earlier parts, a header, are not fed to it).
+    first: int
+
+    def start(self) -> Sealing: ...
+
+
 class Pieces:
     r"""One value made of ``parts`` in order, never joined on the hot path.
 
     ``owner`` (a lease) keeps the parts' memory alive: a holder that keeps the value beyond the
     call that received it (a background writer) ``retain()``\ s it and ``release()``\ s it when
     done; without an owner the parts are only valid during that call.
+
+    With a ``seal`` the value ends with a trailer of ``seal.nbytes`` bytes computed from the parts
+    it covers. Consumers that send or copy the value read it through ``stream()``, which feeds
+    each slice to the seal right before handing it out, so the trailer costs no pass over memory
+    of its own. ``parts`` (every part, the trailer included) and ``trailer()`` compute the
+    trailer first if no stream has finished yet. Every pass computes the same bytes, so streams
+    may be restarted (a retried send) or run in several threads at once.
     """
 
-    __slots__ = ("nbytes", "owner", "parts")
+    __slots__ = ("_body", "_seal", "_trailer", "nbytes", "owner")
 
-    def __init__(self, parts: Sequence[Buffer], owner: Lease | None = None) -> None:
-        self.parts = tuple(byte_view(p) for p in parts)
-        self.nbytes = sum(len(p) for p in self.parts)
+    def __init__(self, parts: Sequence[Buffer], owner: Lease | None = None, seal: Seal | None = None) -> None:
+        self._body = tuple(byte_view(p) for p in parts)
+        self._seal = seal
+        self._trailer: bytes | None = None
+        self.nbytes = sum(len(p) for p in self._body) + (seal.nbytes if seal is not None else 0)
         self.owner = owner
 
     def __len__(self) -> int:
         return self.nbytes
 
+    @property
+    def parts(self) -> tuple[memoryview | bytes, ...]:
+        """Every part in order, the trailer last (computed now if still unknown)."""
+        if self._seal is None:
+            return self._body
+        return (*self._body, self.trailer())
+
+    def trailer(self) -> bytes:
+        """The trailer's bytes (empty without a seal)."""
+        if self._seal is None:
+            return b""
+        if self._trailer is None:
+            for _ in self.stream():
+                pass
+        assert self._trailer is not None
+        return self._trailer
+
+    def stream(self, slice_bytes: int = STREAM_SLICE) -> Iterator[memoryview | bytes]:
+        """The value's bytes as buffers to send or copy in order, the trailer last; sealed parts
+        come in slices of at most ``slice_bytes``, each fed to the seal just before it is yielded."""
+        seal = self._seal
+        if seal is None or self._trailer is not None:
+            yield from self.parts
+            return
+        sealing = seal.start()
+        for index, part in enumerate(self._body):
+            if index < seal.first:
+                yield part
+                continue
+            for pos in range(0, len(part), slice_bytes):
+                piece = part[pos:pos + slice_bytes]
+                sealing.update(piece)
+                yield piece
+        trailer = sealing.finish()
+        if len(trailer) != seal.nbytes:
+            raise AssertionError(f"seal made a {len(trailer)}-byte trailer, it announced {seal.nbytes}")
+        self._trailer = trailer
+        yield trailer
+
     def tobytes(self) -> bytes:
-        return b"".join(self.parts)
+        return b"".join(self.stream())
 
     def copy_into(self, out: memoryview) -> None:
         """Write the value's bytes to the start of ``out``."""
         pos = 0
-        for part in self.parts:
+        for part in self.stream():
             out[pos:pos + len(part)] = part
             pos += len(part)
 

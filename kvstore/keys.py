@@ -63,7 +63,7 @@ def split_key(key: str) -> tuple[int, str, str] | None:
 
 
 def namespace_prefix(text: str) -> str:
-    """``3fa2...`` or ``kvs1/3fa2...`` (a namespace id as tools print it) -> its key prefix ``kvs1/3fa2.../``."""
+    """``3fa2...`` or ``kvs2/3fa2...`` (a namespace id as tools print it) -> its key prefix ``kvs2/3fa2.../``."""
     m = _NAMESPACE_RE.match(text.strip().lower())
     if m is None:
         raise ConfigError(f"namespace {text!r} is not a namespace id; use the 16 hex digits that "
@@ -124,7 +124,7 @@ class Namespace:
     @property
     def key_prefix(self) -> str:
         """Every key of this namespace starts with this string (for listing and removal)."""
-        return f"{KEY_PREFIX}/{self.id}/"
+        return f"kvs{self.format_version}/{self.id}/"
 
 
 @dataclass(frozen=True)

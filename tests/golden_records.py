@@ -1,8 +1,9 @@
-"""The golden record cases: inputs that tests/fixtures/records/*.kvr were encoded from.
+"""The golden record cases: inputs that tests/fixtures/records/v<format version>/*.kvr were
+encoded from, one directory per format version (every version still read has its fixtures).
 
-``python -m tests.golden_records`` rewrites the fixtures. Never do that to make a failing test
-pass: a fixture that no longer decodes means stored caches would stop decoding too. Add a new
-format version (and new fixtures) instead.
+``python -m tests.golden_records`` writes the current version's fixtures. Never do that to make
+a failing test pass: a fixture that no longer decodes means stored caches would stop decoding
+too. Add a new format version (and new fixtures) instead.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstore import Namespace, chunk_keys
+from kvstore import FORMAT_VERSION, Namespace, chunk_keys
 
-FIXTURES = Path(__file__).parent / "fixtures" / "records"
+#: The format versions whose records are still read, oldest first.
+VERSIONS = (1, 2)
 CREATED = 1_790_000_000.0
 
 # name -> (dtype, codec chain, per-layer shape, layers, hidden (dtype, shape) or None, tokens)
@@ -37,17 +39,21 @@ SIGNED_CASES = {
 GOLDEN_KEY = bytes(range(32))
 
 
-def namespace(dtype: str, cache_salt: str = "") -> Namespace:
+def fixture(name: str, version: int = FORMAT_VERSION) -> Path:
+    return Path(__file__).parent / "fixtures" / "records" / f"v{version}" / f"{name}.kvr"
+
+
+def namespace(dtype: str, cache_salt: str = "", version: int = FORMAT_VERSION) -> Namespace:
     return Namespace(model="golden", kv_dtype=dtype, layout="golden", block_size=4, chunk_tokens=32,
-                     layer_end=4, model_fingerprint="v1", cache_salt=cache_salt)
+                     layer_end=4, model_fingerprint="v1", cache_salt=cache_salt, format_version=version)
 
 
-def case_inputs(name: str, cache_salt: str = ""):
+def case_inputs(name: str, cache_salt: str = "", version: int = FORMAT_VERSION):
     """(namespace, chunk, tokens, dtype, shapes, kv bytes, hidden bytes or None, hidden meta, chain)."""
     dtype, chain, shape, layers, hidden, ntok = CASES[name]
     seed = sum(map(ord, name))
     rng = np.random.default_rng(seed)
-    ns = namespace(dtype, cache_salt)
+    ns = namespace(dtype, cache_salt, version)
     tokens = rng.integers(0, 50_000, ntok, dtype=np.int64)
     chunk = chunk_keys(ns, tokens)[0]
     n = layers * int(np.prod(shape))
@@ -75,10 +81,10 @@ def golden_auth():
     return RecordAuth([GOLDEN_KEY])
 
 
-def signed_inputs(name: str):
+def signed_inputs(name: str, version: int = FORMAT_VERSION):
     """``case_inputs`` of a signed case (its namespace carries the case's cache salt)."""
     base, salt = SIGNED_CASES[name]
-    return case_inputs(base, salt)
+    return case_inputs(base, salt, version)
 
 
 def encode_case(name: str) -> bytes:
@@ -98,7 +104,8 @@ def encode_case(name: str) -> bytes:
 
 
 if __name__ == "__main__":
-    FIXTURES.mkdir(parents=True, exist_ok=True)
     for case in [*CASES, *SIGNED_CASES]:
-        (FIXTURES / f"{case}.kvr").write_bytes(encode_case(case))
-        print("wrote", case)
+        path = fixture(case)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(encode_case(case))
+        print("wrote", path)

@@ -85,6 +85,63 @@ def test_borrowed_leases_and_pieces():
     assert pool.stats()["leased_bytes"] == 0
 
 
+class _XorSeal:
+    """A one-byte trailer: the XOR of every byte after the first part; counts its passes."""
+
+    nbytes = 1
+    first = 1
+
+    def __init__(self):
+        self.passes = 0
+        self.slices = []
+
+    def start(self):
+        self.passes += 1
+        seal = self
+
+        class Sealing:
+            acc = 0
+
+            def update(self, data):
+                seal.slices.append(len(data))
+                for b in bytes(data):
+                    self.acc ^= b
+
+            def finish(self):
+                return bytes([self.acc])
+
+        return Sealing()
+
+
+def test_a_sealed_value_computes_its_trailer_as_it_streams():
+    body = bytes(range(1, 251)) * 40  # 10,000 bytes
+    expected = 0
+    for b in body:
+        expected ^= b
+    seal = _XorSeal()
+    pieces = Pieces([b"head", body], seal=seal)
+    assert len(pieces) == 4 + len(body) + 1  # the trailer's size is known before any pass
+    streamed = list(pieces.stream(slice_bytes=4096))
+    assert [len(p) for p in streamed] == [4, 4096, 4096, 1808, 1]  # the header is not fed to the seal
+    assert seal.slices == [4096, 4096, 1808]
+    assert b"".join(bytes(p) for p in streamed) == b"head" + body + bytes([expected])
+    assert pieces.trailer() == bytes([expected]) and pieces.parts[-1] == bytes([expected])
+    assert pieces.tobytes() == b"head" + body + bytes([expected])
+    assert seal.passes == 1  # once known, the trailer is not computed again
+
+
+def test_an_abandoned_stream_leaves_the_trailer_to_a_fresh_pass():
+    seal = _XorSeal()
+    pieces = Pieces([b"h", b"abc", b"def"], seal=seal)
+    stream = pieces.stream(slice_bytes=2)
+    next(stream), next(stream)  # a send that failed half way
+    stream.close()
+    out = bytearray(len(pieces))
+    pieces.copy_into(memoryview(out))  # the retry
+    assert bytes(out) == b"habcdef" + bytes([ord("a") ^ ord("b") ^ ord("c") ^ ord("d") ^ ord("e") ^ ord("f")])
+    assert seal.passes == 2
+
+
 def test_bad_budget_is_a_config_error():
     with pytest.raises(ConfigError, match="max_bytes"):
         BufferPool(10)

@@ -146,7 +146,7 @@ def test_inspect_reports_damaged_and_missing_records(store_url, capsys):
         flip_byte(s, keys[0])
     rc, out, _ = run_cli(capsys, "inspect", "--store", store_url, keys[0])
     assert rc == 1 and "INVALID" in out and "checksum" in out
-    rc, out, err = run_cli(capsys, "inspect", "--store", store_url, "kvs1/0000000000000000/" + "0" * 32)
+    rc, out, err = run_cli(capsys, "inspect", "--store", store_url, f"kvs{FORMAT_VERSION}/0000000000000000/" + "0" * 32)
     assert rc == 1 and "not stored in any tier" in err
 
 
@@ -159,7 +159,7 @@ def test_rm_namespace_needs_yes(tmp_path, capsys):
     assert rc == 1 and "would remove 4 records" in out and "--yes" in err
     with open_store(bottom) as s:
         assert all(s.exists(k) for k in a)
-    rc, out, _ = run_cli(capsys, "rm", "--store", top, "--store", bottom, "--namespace", f"kvs1/{ns}", "--yes", "--json")
+    rc, out, _ = run_cli(capsys, "rm", "--store", top, "--store", bottom, "--namespace", f"kvs{FORMAT_VERSION}/{ns}", "--yes", "--json")
     assert rc == 0 and [t["removed"] for t in json.loads(out)["tiers"]] == [4, 4]
     for url in (top, bottom):
         with open_store(url) as s:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvstore import FORMAT_VERSION
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CHILD = r'''
@@ -82,4 +84,4 @@ def test_three_processes_share_records_through_redis_and_s3(redis_server, s3_ser
     third = run("read", redis_server.url, s3_url)
     assert (third["redis_prefix"], third["prefix"], third["verified"]) == (0, n, n)
     with redis_server.client() as raw:  # promoted from S3 into Redis by the third process
-        assert len([k for k in raw.scan_iter("kvs1/*")]) == n
+        assert len([k for k in raw.scan_iter(f"kvs{FORMAT_VERSION}/*")]) == n

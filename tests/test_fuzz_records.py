@@ -30,21 +30,21 @@ import random
 import resource
 import struct
 import tracemalloc
-import zlib
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import forge
 import msgpack
 import numpy as np
-import xxhash
 
-from kvstore import CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record
+from kvstore import FORMAT_VERSION, CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record
 from kvstore.metrics import REGISTRY
 from kvstore.prefix_cache import PrefixCache
-from kvstore.record import FRAME_BYTES, MAGIC
+from kvstore.record import FRAME_BYTES
 from kvstore.record.auth import RecordAuth, TagKeys
 from kvstore.record.codecs import resolve_chain
+from kvstore.record.format import CHECKSUM_BYTES
 from kvstore.stores.memory import MemoryStore
 
 CASES = int(os.environ.get("KVSTORE_FUZZ_CASES", "20000"))
@@ -110,27 +110,29 @@ BASES = _bases()
 
 
 # -- the record's anatomy --------------------------------------------------------------------------
-def _parts(data: bytes) -> tuple[dict, bytes, bytes]:
-    """(header dict, header bytes, payload) of a valid record."""
+def _parts(data: bytes) -> tuple[dict, bytes, bytes, bytes]:
+    """(header dict, header bytes, payload, trailer) of a valid record."""
+    header, payload, trailer = forge.split(data)
     hlen = struct.unpack_from("<I", data, 8)[0]
-    hb = data[FRAME_BYTES:FRAME_BYTES + hlen]
-    return msgpack.unpackb(hb), hb, data[FRAME_BYTES + hlen:]
+    return header, data[FRAME_BYTES:FRAME_BYTES + hlen], payload, trailer
 
 
-def _frame(header_bytes: bytes, payload: bytes, *, version: int = 1) -> bytes:
-    return _FRAME.pack(MAGIC, version, 0, len(header_bytes), zlib.crc32(header_bytes)) + header_bytes + payload
+def _frame(header_bytes: bytes, payload: bytes, trailer: bytes | None = None) -> bytes:
+    """Framed, CRC agreeing; ``trailer`` by default the payload's checksum (nothing signed)."""
+    return forge.frame(header_bytes, payload, trailer)
 
 
 def _regions(base: Base) -> dict[str, tuple[int, int]]:
-    header, hb, payload = _parts(base.data)
+    _, hb, payload, trailer = _parts(base.data)
     start = FRAME_BYTES + len(hb)
+    end = start + len(payload)
     hidden_len = len(base.hidden or b"")
     regions = {"frame": (0, FRAME_BYTES), "header": (FRAME_BYTES, start),
-               "body": (start, len(base.data) - hidden_len)}
+               "body": (start, end - hidden_len), "checksum": (end, end + CHECKSUM_BYTES)}
     if hidden_len:
-        regions["hidden"] = (len(base.data) - hidden_len, len(base.data))
-    if "tag" in header:
-        regions["tag"] = (start - 32, start)
+        regions["hidden"] = (end - hidden_len, end)
+    if len(trailer) > CHECKSUM_BYTES:
+        regions["tag"] = (end + CHECKSUM_BYTES, len(base.data))
     return regions
 
 
@@ -175,7 +177,7 @@ def m_frame_lengths(rng: random.Random, base: Base) -> tuple[str, bytes]:
     if field == "hlen":
         hlen = rng.choice([0, 1, hlen - 1, hlen + 1, hlen + 32, 2**20 + 1, 2**32 - 1, rng.randrange(2**32)])
     elif field == "version":
-        version = rng.choice([0, 2, 255, 65535])
+        version = rng.choice([0, 1, FORMAT_VERSION + 1, 255, 65535])
     elif field == "reserved":
         reserved = rng.randint(1, 65535)
     else:
@@ -185,18 +187,18 @@ def m_frame_lengths(rng: random.Random, base: Base) -> tuple[str, bytes]:
 
 def m_header_lengths(rng: random.Random, base: Base) -> tuple[str, bytes]:
     """raw_len / payload_len rewritten; the header CRC (and sometimes the checksum) made to agree."""
-    header, _, payload = _parts(base.data)
+    header, _, payload, _ = _parts(base.data)
     field = rng.choice(["raw_len", "payload_len"])
     old = header[field]
     header[field] = rng.choice([v for v in (0, 1, old - 1, old + 1, old * 2, old * 400, 4 << 30, 2**62,
                                             old - len(base.hidden or b""), old + 32) if v != old])
-    header.pop("kid", None), header.pop("tag", None)  # a rewritten header cannot keep a valid signature
+    header.pop("kid", None)  # a rewritten header cannot keep a valid signature
     return f"lengths:{field}", _frame(msgpack.packb(header, use_bin_type=True), payload)
 
 
 def m_header_types(rng: random.Random, base: Base) -> tuple[str, bytes]:
     """A valid msgpack header with fields of wrong types or values (CRC recomputed)."""
-    header, _, payload = _parts(base.data)
+    header, _, payload, trailer = _parts(base.data)
     fields = sorted(header)
     for _ in range(rng.randint(1, 3)):
         action = rng.random()
@@ -206,22 +208,22 @@ def m_header_types(rng: random.Random, base: Base) -> tuple[str, bytes]:
         elif action < 0.85:
             header.pop(field, None)
         else:
-            header[rng.choice(["extra", "v2", "Tag", "kid"])] = rng.choice(_ODD_VALUES)
+            header[rng.choice(["extra", "v2", "Tag", "kid", "tag", "checksum"])] = rng.choice(_ODD_VALUES)
     packed = msgpack.packb(header, use_bin_type=True) if rng.random() < 0.9 else msgpack.packb(
         rng.choice([[header], list(header.items()), 7, "header", None]), use_bin_type=True)
-    return "header_types", _frame(packed, payload)
+    return "header_types", _frame(packed, payload, trailer)
 
 
 def m_splice(rng: random.Random, base: Base) -> tuple[str, bytes]:
     """This record's header with another record's payload, as is or with the checksum made to
     agree (a forgery: only against a keyed reader, no other reader can tell it from a record)."""
     other = rng.choice([b for b in BASES if b.data != base.data])
-    header, hb, payload = _parts(base.data)
-    _, _, o_payload = _parts(other.data)
+    header, hb, payload, trailer = _parts(base.data)
+    _, _, o_payload, o_trailer = _parts(other.data)
     if base.keys is None or rng.random() < 0.5:
-        return "splice:raw", _frame(hb, o_payload)
-    header.update(payload_len=len(o_payload), checksum=xxhash.xxh3_64_digest(o_payload))
-    header.pop("kid", None), header.pop("tag", None)
+        return "splice:raw", _frame(hb, o_payload, rng.choice([trailer, o_trailer]))
+    header.update(payload_len=len(o_payload))
+    header.pop("kid", None)
     return "splice:fixed", _frame(msgpack.packb(header, use_bin_type=True), o_payload)
 
 
@@ -249,14 +251,15 @@ def m_foreign(rng: random.Random, base: Base) -> tuple[str, bytes]:
 
 def m_forged(rng: random.Random, base: Base) -> tuple[str, bytes]:
     """Payload (KV or hidden) changed, xxh3 checksum and header CRC recomputed, tag kept or moved."""
-    header, hb, payload = _parts(base.data)
+    header, hb, payload, trailer = _parts(base.data)
     payload = bytearray(payload)
     pos = rng.randrange(len(payload))
     payload[pos] ^= 1 + rng.randrange(255)
-    header["checksum"] = xxhash.xxh3_64_digest(bytes(payload))
     if rng.random() < 0.2:
         header["created"] = 1_800_000_000.0  # a covered field too
-    return "forged_checksum", _frame(msgpack.packb(header, use_bin_type=True), bytes(payload))
+        hb = msgpack.packb(header, use_bin_type=True)
+    tag = trailer[CHECKSUM_BYTES:]
+    return "forged_checksum", _frame(hb, bytes(payload), forge.checksum(hb, bytes(payload)) + tag)
 
 
 MUTATIONS: list[tuple[Callable[[random.Random, Base], tuple[str, bytes]], bool]] = [

@@ -13,25 +13,37 @@ import sys
 import numpy as np
 import pytest
 
-from kvstore import ConfigError, Namespace, chunk_keys
+from kvstore import FORMAT_VERSION, ConfigError, Namespace, chunk_keys
 
 NS = Namespace(model="meta-llama/Llama-3-8B", kv_dtype="bfloat16", layout="vllm-flash", block_size=16,
                chunk_tokens=256, layer_start=0, layer_end=32, tp_rank=0, tp_size=1,
                model_fingerprint="rev-abc")
 
-# Pinned forever for format version 1: a change here breaks every stored cache.
-GOLDEN_NAMESPACE = "76dc44145c2bc61ecba7a8993165146d7f779914271078ff6612c5e39558c627"
-GOLDEN_KEYS = [
-    ("kvs1/76dc44145c2bc61e/f893f6d5b21da60bb867befcf2434e08", 0, 256, False),
-    ("kvs1/76dc44145c2bc61e/80d46d0cbeb712770e3841a305dd2f36", 256, 512, False),
-    ("kvs1/76dc44145c2bc61e/c3db05fa71f5475f503096fbb3c82d1c", 512, 600, True),
-]
+# Pinned forever, per format version: a change here breaks every stored cache of that version.
+GOLDEN = {
+    1: ("76dc44145c2bc61ecba7a8993165146d7f779914271078ff6612c5e39558c627", [
+        ("kvs1/76dc44145c2bc61e/f893f6d5b21da60bb867befcf2434e08", 0, 256, False),
+        ("kvs1/76dc44145c2bc61e/80d46d0cbeb712770e3841a305dd2f36", 256, 512, False),
+        ("kvs1/76dc44145c2bc61e/c3db05fa71f5475f503096fbb3c82d1c", 512, 600, True),
+    ]),
+    2: ("e19ed406587707884e80a9cc6244d917b975e7a504a9af3d988ac0709d77186c", [
+        ("kvs2/e19ed40658770788/014f5059128c2b7f1de73ce1510c37ee", 0, 256, False),
+        ("kvs2/e19ed40658770788/b5c97e4c6710fcf65792bf921dac686d", 256, 512, False),
+        ("kvs2/e19ed40658770788/8e78d74693934720350a1681b30cf9e0", 512, 600, True),
+    ]),
+}
 
 
-def test_golden_namespace_and_keys():
-    assert NS.digest.hex() == GOLDEN_NAMESPACE
-    keys = chunk_keys(NS, list(range(600)))
-    assert [(k.key, k.start, k.end, k.partial) for k in keys] == GOLDEN_KEYS
+@pytest.mark.parametrize("version", sorted(GOLDEN))
+def test_golden_namespace_and_keys(version):
+    ns = dataclasses.replace(NS, format_version=version)
+    namespace, keys = GOLDEN[version]
+    assert ns.digest.hex() == namespace
+    assert [(k.key, k.start, k.end, k.partial) for k in chunk_keys(ns, list(range(600)))] == keys
+
+
+def test_the_current_format_has_golden_keys():
+    assert NS.format_version == FORMAT_VERSION in GOLDEN
 
 
 def test_token_container_does_not_matter():

@@ -73,7 +73,7 @@ def test_endpoint_serves_counters_that_move(server):
     for op in ("lookup", "load", "save"):
         assert delta(f'kvstore_op_seconds_count{{op="{op}"}}') >= 1
         assert f'kvstore_op_seconds_bucket{{op="{op}",le="+Inf"}}' in after
-    assert after[f'kvstore_info{{version="{kvstore.__version__}",format_version="1"}}'] == 1
+    assert after[f'kvstore_info{{version="{kvstore.__version__}",format_version="{kvstore.FORMAT_VERSION}"}}'] == 1
 
 
 def test_every_documented_family_is_registered():

@@ -4,29 +4,31 @@ from __future__ import annotations
 
 import math
 import struct
-import zlib
 
+import forge
 import msgpack
 import numpy as np
 import pytest
-from golden_records import CASES, FIXTURES, case_inputs, encode_case
+from golden_records import CASES, VERSIONS, case_inputs, encode_case, fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore import CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record, read_header
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.record import DTYPES, FRAME_BYTES, MAGIC
+from kvstore.record import DTYPES, FRAME_BYTES
 from kvstore.record.codecs import CHAINS, resolve_chain
 
 NS = Namespace(model="m", kv_dtype="bfloat16", layout="t", block_size=4, chunk_tokens=8, layer_end=2)
 
 
 # -- golden records -----------------------------------------------------------------------------
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_golden_record_decodes(name):
-    ns, chunk, tokens, dtype, shapes, kv, hidden, hidden_meta, chain = case_inputs(name)
-    data = (FIXTURES / f"{name}.kvr").read_bytes()
+def test_golden_record_decodes(name, version):
+    ns, chunk, tokens, dtype, shapes, kv, hidden, hidden_meta, chain = case_inputs(name, version=version)
+    data = fixture(name, version).read_bytes()
     rec = decode_record(data, namespace=ns, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes)
+    assert rec.header.version == version
     assert bytes(rec.kv) == kv
     assert (None if rec.hidden is None else bytes(rec.hidden)) == hidden
     assert rec.header.codecs == tuple(chain)
@@ -36,7 +38,7 @@ def test_golden_record_decodes(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_encoder_still_writes_the_golden_bytes(name):
     # If this fails the wire format changed: bump FORMAT_VERSION and keep the old fixtures decoding.
-    assert encode_case(name) == (FIXTURES / f"{name}.kvr").read_bytes()
+    assert encode_case(name) == fixture(name).read_bytes()
 
 
 # -- round trips and expectations ---------------------------------------------------------------
@@ -92,6 +94,32 @@ def test_a_checksum_hashed_while_gathering_gives_the_same_record(codec):
     with pytest.raises(ValueError, match="hashed"):
         encode_record_pieces(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16", shapes=[(2, 8, 3, 4)] * 2,
                              kv=kv, kv_checksum=short)
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+def test_the_trailer_is_computed_as_the_pieces_stream(codec):
+    from kvstore.record import encode_record_pieces
+
+    data, chunk, tokens, kv, h = _record(resolve_chain(codec, 2))
+    pieces = encode_record_pieces(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16",
+                                  shapes=[(2, 8, 3, 4)] * 2, kv=kv, hidden=h, hidden_dtype="bfloat16",
+                                  hidden_shape=(16,), chain=resolve_chain(codec, 2), created=read_header(data).created)
+    streamed = [bytes(p) for p in pieces.stream(slice_bytes=64)]
+    assert max(len(p) for p in streamed[1:-1]) == 64 and len(streamed[-1]) == 8  # payload slices, then the checksum
+    assert b"".join(streamed) == data == pieces.tobytes() and len(pieces) == len(data)
+
+
+def test_a_payload_and_trailer_under_another_header_are_rejected():
+    # Both records have the same lengths, so only the checksum's binding to its header tells.
+    a, chunk, tokens, *_ = _record(hidden=False)
+    b = bytes(encode_record(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16", shapes=[(2, 8, 3, 4)] * 2,
+                            kv=bytes(2 * 2 * 8 * 3 * 4 * 2)))
+    hlen_a, hlen_b = struct.unpack_from("<I", a, 8)[0], struct.unpack_from("<I", b, 8)[0]
+    spliced = a[:FRAME_BYTES + hlen_a] + b[FRAME_BYTES + hlen_b:]
+    assert len(spliced) == len(a)
+    with pytest.raises(CorruptRecordError) as err:
+        decode_record(spliced, namespace=NS, chunk=chunk, tokens=tokens)
+    assert err.value.reason == "checksum"
 
 
 def test_encode_into_reusable_buffer():
@@ -191,7 +219,7 @@ def _decode_or_corrupt(data: bytes) -> None:
 
 
 def _framed(header: bytes, payload: bytes) -> bytes:
-    return struct.pack("<4sHHII", MAGIC, 1, 0, len(header), zlib.crc32(header)) + header + payload
+    return forge.frame(header, payload)
 
 
 _VALID = [_record(chain)[0] for chain in ((), ("lz4",), ("shuffle2", "lz4"), ("shuffle2", "zstd"))]
@@ -202,7 +230,7 @@ _msgpack_values = st.recursive(
     max_leaves=12,
 )
 _FIELDS = ["v", "ns", "key", "start", "partial", "tokens", "dtype", "shapes", "hidden", "codecs", "raw_len",
-           "payload_len", "checksum", "created"]
+           "payload_len", "created"]
 
 
 @st.composite
@@ -223,8 +251,7 @@ def _hostile_records(draw):
             else:
                 data[pos:pos] = draw(st.binary(min_size=1, max_size=16))
         return bytes(data)
-    header = msgpack.unpackb(base[FRAME_BYTES:FRAME_BYTES + struct.unpack_from("<I", base, 8)[0]])
-    payload = base[FRAME_BYTES + struct.unpack_from("<I", base, 8)[0]:]
+    header, payload, _ = forge.split(base)
     if kind == 2:  # a correctly framed header with fields replaced by arbitrary values
         for field in draw(st.lists(st.sampled_from(_FIELDS), min_size=1, max_size=3)):
             if draw(st.booleans()):
@@ -235,12 +262,7 @@ def _hostile_records(draw):
     # kind 3: framed arbitrary msgpack, or a consistent header over a payload that lies
     if draw(st.booleans()):
         return _framed(msgpack.packb(draw(_msgpack_values), use_bin_type=True), payload)
-    payload = draw(st.binary(max_size=len(payload) + 8))
-    import xxhash
-
-    header["payload_len"] = len(payload)
-    header["checksum"] = xxhash.xxh3_64_digest(payload)
-    return _framed(msgpack.packb(header, use_bin_type=True), payload)
+    return forge.reframe(header, draw(st.binary(max_size=len(payload) + 8)))
 
 
 @settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -252,32 +274,23 @@ def test_decoder_fuzz_only_raises_corrupt_record_error(data):
 def test_zstd_frame_that_declares_more_than_raw_len_is_rejected_before_allocating():
     # A consistent header (checksum included) over a zstd frame that expands to 64 MiB: zstandard
     # would allocate what the frame declares, whatever max_output_size says.
-    import xxhash
     import zstandard
 
-    base = _record(("shuffle2", "zstd"), hidden=False)[0]
-    hlen = struct.unpack_from("<I", base, 8)[0]
-    header = msgpack.unpackb(base[FRAME_BYTES:FRAME_BYTES + hlen])
+    header, _, _ = forge.split(_record(("shuffle2", "zstd"), hidden=False)[0])
     bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
-    header["payload_len"] = len(bomb)
-    header["checksum"] = xxhash.xxh3_64_digest(bomb)
     with pytest.raises(CorruptRecordError) as info:
-        decode_record(_framed(msgpack.packb(header, use_bin_type=True), bomb))
+        decode_record(forge.reframe(header, bomb))
     assert info.value.reason == "codec" and "declares" in str(info.value)
 
 
 # -- exactly what this version writes, and what the reader expects (issue 11) ---------------------
 def _split(data: bytes):
-    hlen = struct.unpack_from("<I", data, 8)[0]
-    return msgpack.unpackb(data[FRAME_BYTES:FRAME_BYTES + hlen]), data[FRAME_BYTES + hlen:]
+    return forge.split(data)[:2]
 
 
 def _reframe(header: dict, payload: bytes) -> bytes:
     """A record whose header fields were changed, with checksums that agree (a deliberate writer)."""
-    import xxhash
-
-    header = dict(header, payload_len=len(payload), checksum=xxhash.xxh3_64_digest(payload))
-    return _framed(msgpack.packb(header, use_bin_type=True), payload)
+    return forge.reframe(header, payload)
 
 
 def _rejected_everywhere(data: bytes, reason: str, **expect) -> None:
@@ -324,7 +337,9 @@ def test_zstd_payload_with_trailing_bytes_is_rejected():
     (lambda h: dict(h, codecs=["shuffle2", "shuffle2", "lz4"]), "codec"),
     (lambda h: dict(h, extra=1), "header"),                             # a field this version does not write
     (lambda h: {k: v for k, v in h.items() if k != "created"}, "header"),
-    (lambda h: dict(h, kid=b"12345678"), "header"),                     # half a signature
+    (lambda h: dict(h, kid=b"12345678"), "truncated"),                  # signed, but no tag in the trailer
+    (lambda h: dict(h, tag=bytes(32)), "header"),                       # version 1's place of the tag
+    (lambda h: dict(h, checksum=bytes(8)), "header"),                   # version 1's place of the checksum
     (lambda h: dict(h, created=float("nan")), "header"),
     (lambda h: dict(h, created=-1.0), "header"),
     (lambda h: dict(h, shapes=[]), "header"),

@@ -101,6 +101,11 @@ class TagKeys:
         """The tag of the concatenation of ``pieces`` under the current key."""
         return self._mac(self._key, pieces)
 
+    def signer(self, nbytes: int) -> Any:
+        """A hasher (``update``, ``copy``, ``digest``) that tags ``nbytes`` bytes fed in pieces
+        under the current key: what ``sign`` computes, for bytes that arrive one slice at a time."""
+        return self._hasher(self._key, nbytes)
+
     def check(self, key_id: bytes | None, tag: bytes | None, pieces: Iterable[Buffer]) -> None:
         """Raise ``CorruptRecordError(reason="auth")`` unless ``tag`` verifies under key ``key_id``."""
         import hmac
@@ -119,14 +124,17 @@ class TagKeys:
 
     def _mac(self, key: bytes, pieces: Iterable[Buffer]) -> bytes:
         views = [memoryview(p).cast("B") for p in pieces]
-        # BLAKE3 can spread a large input over idle cores; below ~1 MiB its threads cost more than
-        # they save. On a contended 2-core VM it measured no gain either way (results/auth.md).
-        threads = self._blake3.blake3.AUTO if sum(v.nbytes for v in views) >= _THREADED_BYTES else 1
-        hasher = self._blake3.blake3(key=key, max_threads=threads)
+        hasher = self._hasher(key, sum(v.nbytes for v in views))
         for view in views:
             hasher.update(view)
         tag: bytes = hasher.digest()
         return tag
+
+    def _hasher(self, key: bytes, nbytes: int) -> Any:
+        # BLAKE3 can spread a large input over idle cores; below ~1 MiB its threads cost more than
+        # they save. On a contended 2-core VM it measured no gain either way (results/auth.md).
+        threads = self._blake3.blake3.AUTO if nbytes >= _THREADED_BYTES else 1
+        return self._blake3.blake3(key=key, max_threads=threads)
 
 
 class RecordAuth:

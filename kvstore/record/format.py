@@ -1,27 +1,35 @@
-"""Self-describing chunk records: a fixed frame, a msgpack header, then the payload.
+"""Self-describing chunk records: a fixed frame, a msgpack header, the payload, a trailer.
 
-Layout of format version 1 (all integers little-endian)::
+Layout of format version 2, the one written (all integers little-endian)::
 
     0   4  magic  b"KVSR"
-    4   2  format version (1)
+    4   2  format version (2)
     6   2  reserved, zero
     8   4  header length H
     12  4  crc32 of the header bytes
     16  H  header, a msgpack map (fields below)
     16+H   payload: the encoded KV bytes, then (if any) the hidden state's raw bytes
+    ...    trailer: the checksum (8 B); a signed record then has its tag (32 B)
 
 Header fields: ``v`` format version, ``ns`` namespace digest (32 B), ``key`` prefix digest of
 this chunk (16 B), ``start`` first token index, ``partial``, ``tokens`` the chunk's token ids
 (uint32-le bytes), ``dtype``, ``shapes`` one shape per stored tensor (typically one per layer),
 ``hidden`` ``[dtype, shape]`` or nil, ``codecs`` the chain applied to the KV bytes, ``raw_len``
-decoded KV length, ``payload_len``, ``checksum`` xxh3-64 of the stored payload (8 B),
-``created`` unix seconds. A signed record (``auth``) adds, last, ``kid`` the 8-byte id of the
-deployment key and ``tag`` its keyed BLAKE3 tag (32 B), which covers the header bytes before
-the tag value and the whole payload; the header then ends with the msgpack bytes of
-``"tag": bin 32`` (``_TAG_MARKER``) and the tag. Unsigned records are byte for byte what this
-version wrote before tags existed, and readers that ignore the two fields read signed ones.
+decoded KV length, ``payload_len``, ``created`` unix seconds. A signed record (``auth``) adds,
+last, ``kid`` the 8-byte id of the deployment key; its tag, the keyed BLAKE3 of the header bytes
+and the payload, ends the trailer. Readers that ignore ``kid`` and the tag read signed records.
+The checksum is the xxh3-64 of the header bytes followed by the payload's own xxh3-64: it binds
+the payload to its header, so a payload and trailer spliced under another header never pass.
 
-``decode_record`` accepts a record only if it is exactly what this version writes and what the
+The checksum and the tag come after the payload so that a writer computes them as the payload
+leaves (``Pieces.stream``): a slice is hashed while it is in the CPU's cache for its send,
+instead of in a pass over memory of its own before the first byte can go.
+
+Format version 1 (still read, never written) had no trailer: the header held ``checksum``
+before ``created``, and a signed record ended its header with ``kid`` and ``tag``, the tag
+covering the header bytes before the tag value and the payload.
+
+``decode_record`` accepts a record only if it is exactly what its version writes and what the
 reader expects: the frame, every header field (types, ranges, no unknown or repeated field),
 their consistency (codec chain against dtype and lengths, lengths against shapes, one
 compressed frame and no trailing bytes), then, when given, the reader's namespace, key,
@@ -57,13 +65,16 @@ FRAME_BYTES = _FRAME.size
 MAX_HEADER_BYTES = 1 << 20
 MAX_RAW_BYTES = 4 << 30  # no record decodes to more: a lying header must not make us allocate without bound
 _MAX_COMPRESSION_RATIO = 300  # above lz4's and far above what KV data reaches (1.5)
-SUPPORTED_VERSIONS = (1,)
+SUPPORTED_VERSIONS = (1, 2)
+CHECKSUM_BYTES = 8
 _MAX_START = 1 << 40  # token positions
 _MAX_CREATED = 1e11  # unix seconds (year 5138): anything later is a lie, and so is NaN
-_TAG_MARKER = b"\xa3tag\xc4" + bytes([TAG_BYTES])  # msgpack: fixstr "tag", bin8 of 32 bytes
-_FIELDS = frozenset({"v", "ns", "key", "start", "partial", "tokens", "dtype", "shapes", "hidden", "codecs",
-                     "raw_len", "payload_len", "checksum", "created"})
-_SIGNED_FIELDS = frozenset({"kid", "tag"})
+_TAG_MARKER = b"\xa3tag\xc4" + bytes([TAG_BYTES])  # version 1, msgpack: fixstr "tag", bin8 of 32 bytes
+_COMMON_FIELDS = frozenset({"v", "ns", "key", "start", "partial", "tokens", "dtype", "shapes", "hidden", "codecs",
+                            "raw_len", "payload_len", "created"})
+#: Per version: the header fields of every record, and those only a signed record has.
+_FIELDS = {1: _COMMON_FIELDS | {"checksum"}, 2: _COMMON_FIELDS}
+_SIGNED_FIELDS = {1: frozenset({"kid", "tag"}), 2: frozenset({"kid"})}
 
 #: dtype name -> element size. fp8 and integer types are stored raw (no shuffle benefit).
 DTYPES: dict[str, int] = {
@@ -205,17 +216,19 @@ def encode_record_pieces(
     auth: TagKeys | None = None,
     kv_checksum: PayloadChecksum | None = None,
 ) -> Pieces:
-    """Encode one chunk record as the pieces a store sends in order: frame and header, then the
-    payload (the KV bytes after the codec chain, then the hidden state), never joined.
+    """Encode one chunk record as the pieces a store sends in order: frame and header, the
+    payload (the KV bytes after the codec chain, then the hidden state), then the trailer, never
+    joined.
 
     ``tokens`` are the chunk's own tokens (``chunk.num_tokens`` of them). ``kv`` holds the
     tensors of ``shapes`` back to back in ``dtype``. With the raw codec the payload pieces are
     views of ``kv`` and ``hidden`` themselves (no copy): ``owner``, the lease holding them, goes
     with the pieces so a store that keeps the value past the call can retain it. With ``auth``
     (the tenant's keys: ``RecordAuth.for_salt(namespace.cache_salt)``) the record is signed with
-    the current key. ``kv_checksum``, if given, has already hashed exactly ``kv``'s bytes in
-    order; with no codecs it stands in for hashing them here (with codecs the checksum covers
-    the encoded bytes, so it is not used).
+    the current key. The trailer (checksum, tag) is computed as a store streams the pieces
+    (``Pieces.stream``). ``kv_checksum``, if given, has already hashed exactly ``kv``'s bytes in
+    order; with no codecs it stands in for hashing them (with codecs the checksum covers the
+    encoded bytes, so it is not used).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
@@ -241,15 +254,14 @@ def encode_record_pieces(
     codecs.validate_chain(chain)
     body = byte_view(codecs.encode(chain, kv_view)) if chain else kv_view
     payload_len = len(body) + (len(hidden_view) if hidden_view is not None else 0)
+    checksum = None  # known now only when the gather has hashed the KV bytes
     if kv_checksum is not None and not chain:
         if kv_checksum.nbytes != raw_len:
             raise ValueError(f"kv_checksum has hashed {kv_checksum.nbytes} bytes, kv has {raw_len}")
         hasher = kv_checksum.hasher()
-    else:
-        hasher = xxhash.xxh3_64()
-        hasher.update(body)
-    if hidden_view is not None:
-        hasher.update(hidden_view)
+        if hidden_view is not None:
+            hasher.update(hidden_view)
+        checksum = hasher.digest()  # of the payload; bound to the header below
     fields: dict[str, Any] = {
         "v": FORMAT_VERSION,
         "ns": namespace.digest,
@@ -263,20 +275,66 @@ def encode_record_pieces(
         "codecs": list(chain),
         "raw_len": raw_len,
         "payload_len": payload_len,
-        "checksum": hasher.digest(),
         "created": float(time.time() if created is None else created),
     }
     if auth is not None:
         fields["kid"] = auth.key_id
-        fields["tag"] = bytes(TAG_BYTES)  # a placeholder of the tag's size, replaced below
     header = msgpack.packb(fields, use_bin_type=True)
-    payload = [body] + ([hidden_view] if hidden_view is not None else [])
-    if auth is not None:
-        signed = header[:-TAG_BYTES]
-        assert signed.endswith(_TAG_MARKER)  # dicts pack in insertion order: the tag is last
-        header = signed + auth.sign([signed, *payload])
     head = _FRAME.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header)) + header
-    return Pieces([head, *payload], owner=owner)
+    payload = [body] + ([hidden_view] if hidden_view is not None else [])
+    if auth is None and checksum is not None:
+        return Pieces([head, *payload, _bound(header, checksum)], owner=owner)
+    signer = None
+    if auth is not None:
+        signer = auth.signer(len(header) + payload_len)
+        signer.update(header)
+    return Pieces([head, *payload], owner=owner, seal=_RecordSeal(header, checksum, signer))
+
+
+def _bound(header: Buffer, payload_checksum: bytes) -> bytes:
+    """A version-2 record's checksum: its payload's xxh3-64 bound to its header bytes."""
+    hasher = xxhash.xxh3_64(header)
+    hasher.update(payload_checksum)
+    return hasher.digest()
+
+
+class _RecordSeal:
+    """The trailer of a version-2 record, computed as its payload streams out: the checksum
+    (from the payload's xxh3, unless the gather computed that), then, for a signed record, the
+    tag. The tag's hasher has been fed the header bytes; each pass continues a copy of it."""
+
+    first = 1  # part 0 is the frame and header
+
+    def __init__(self, header: bytes, checksum: bytes | None, signer: Any | None) -> None:
+        self._header = header
+        self._checksum = checksum
+        self._signer = signer
+        self.nbytes = CHECKSUM_BYTES + (TAG_BYTES if signer is not None else 0)
+
+    def start(self) -> _RecordSealing:
+        return _RecordSealing(self._header, self._checksum, None if self._signer is None else self._signer.copy())
+
+
+class _RecordSealing:
+    __slots__ = ("_checksum", "_hasher", "_header", "_signer")
+
+    def __init__(self, header: bytes, checksum: bytes | None, signer: Any | None) -> None:
+        self._header = header
+        self._checksum = checksum
+        self._hasher = xxhash.xxh3_64() if checksum is None else None
+        self._signer = signer
+
+    def update(self, data: memoryview) -> None:
+        if self._hasher is not None:
+            self._hasher.update(data)
+        if self._signer is not None:
+            self._signer.update(data)
+
+    def finish(self) -> bytes:
+        payload_checksum = self._checksum if self._hasher is None else self._hasher.digest()
+        assert payload_checksum is not None
+        checksum = _bound(self._header, payload_checksum)
+        return checksum if self._signer is None else checksum + self._signer.digest()
 
 
 def _fail(message: str, reason: str) -> CorruptRecordError:
@@ -333,7 +391,7 @@ def _frame(view: memoryview) -> tuple[int, memoryview]:
     return version, header_bytes
 
 
-def _fields(header_bytes: memoryview) -> dict[str, Any]:
+def _fields(header_bytes: memoryview, version: int) -> dict[str, Any]:
     try:
         h = msgpack.unpackb(header_bytes, raw=False, strict_map_key=True, use_list=True,
                             max_bin_len=MAX_HEADER_BYTES, max_str_len=1 << 12,
@@ -343,24 +401,34 @@ def _fields(header_bytes: memoryview) -> dict[str, Any]:
     if type(h) is not dict:
         raise _fail("record header is not a map", "header")
     names = set(h)
-    signed = names & _SIGNED_FIELDS
-    if names - _FIELDS - _SIGNED_FIELDS or _FIELDS - names or signed not in (set(), _SIGNED_FIELDS):
-        unknown, missing = sorted(map(repr, names - _FIELDS - _SIGNED_FIELDS)), sorted(_FIELDS - names)
-        raise _fail(f"record header fields are not this version's (unknown {unknown}, missing {missing}, "
+    fields, signed_fields = _FIELDS[version], _SIGNED_FIELDS[version]
+    signed = names & signed_fields
+    if names - fields - signed_fields or fields - names or signed not in (set(), signed_fields):
+        unknown, missing = sorted(map(repr, names - fields - signed_fields)), sorted(fields - names)
+        raise _fail(f"record header fields are not version {version}'s (unknown {unknown}, missing {missing}, "
                     f"signature fields {sorted(signed)})", "header")
     if signed:
-        tag = _bytes(h["tag"], "tag", TAG_BYTES)
         _bytes(h["kid"], "kid", KEY_ID_BYTES)
+    if signed and version == 1:
+        tag = _bytes(h["tag"], "tag", TAG_BYTES)
         if bytes(header_bytes[-len(_TAG_MARKER) - TAG_BYTES:]) != _TAG_MARKER + tag:
             raise _fail("record tag is not the last header field", "header")
     return h
 
 
 def read_header(data: Buffer) -> RecordHeader:
-    """Parse and validate the frame and header of a record (not its payload checksum or tag)."""
-    view = memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+    """Parse and validate the frame, header and lengths of a whole record (not its checksum or tag)."""
+    return _parse(_flat(data))[0]
+
+
+def _flat(data: Buffer) -> memoryview:
+    return memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
+
+
+def _parse(view: memoryview) -> tuple[RecordHeader, int]:
+    """The record's header and where its payload starts."""
     version, header_bytes = _frame(view)
-    h = _fields(header_bytes)
+    h = _fields(header_bytes, version)
     v = _int(h["v"], "v")
     if v != version:
         raise _fail(f"header version {v} disagrees with frame version {version}", "header")
@@ -388,6 +456,17 @@ def read_header(data: Buffer) -> RecordHeader:
     created = h["created"]
     if type(created) not in (float, int) or not 0 <= created < _MAX_CREATED:  # NaN fails too
         raise _fail(f"header field created={created!r} is not a time", "header")
+    payload_at = FRAME_BYTES + len(header_bytes)
+    signed = "kid" in h
+    trailer = 0 if version == 1 else CHECKSUM_BYTES + (TAG_BYTES if signed else 0)
+    payload_end = len(view) - trailer
+    if version == 1:
+        checksum, tag = _bytes(h["checksum"], "checksum", 8), h.get("tag")
+    elif payload_end < payload_at:
+        raise _fail(f"record of {len(view)} bytes is too short for its trailer", "truncated")
+    else:
+        checksum = bytes(view[payload_end:payload_end + CHECKSUM_BYTES])
+        tag = bytes(view[payload_end + CHECKSUM_BYTES:]) if signed else None
     header = RecordHeader(
         version=v,
         namespace=_bytes(h["ns"], "ns", 32),
@@ -402,13 +481,13 @@ def read_header(data: Buffer) -> RecordHeader:
         codecs=tuple(chain),
         raw_len=_int(h["raw_len"], "raw_len"),
         payload_len=_int(h["payload_len"], "payload_len"),
-        checksum=_bytes(h["checksum"], "checksum", 8),
+        checksum=checksum,
         created=float(created),
         key_id=h.get("kid"),
-        tag=h.get("tag"),
+        tag=tag,
     )
-    _check_lengths(header, len(view) - FRAME_BYTES - len(header_bytes))
-    return header
+    _check_lengths(header, payload_end - payload_at)
+    return header, payload_at
 
 
 def _check_lengths(header: RecordHeader, actual: int) -> None:
@@ -482,17 +561,21 @@ def decode_record(
     KV bytes are written there, only once the record is accepted; otherwise ``Record.kv`` is a
     view of ``data`` for uncompressed records (no copy) or a new buffer.
     """
-    header = read_header(data)
-    view = memoryview(data).cast("B")
+    view = _flat(data)
+    header, payload_at = _parse(view)
     if out is not None and (out.format != "B" or out.ndim != 1):
         out = out.cast("B")
     _expect(header, namespace, chunk, tokens, dtype, shapes, hidden_dtype, hidden_shape, out)
-    payload = view[len(view) - header.payload_len:]
-    if xxhash.xxh3_64_digest(payload) != header.checksum:
+    payload = view[payload_at:payload_at + header.payload_len]
+    checksum = xxhash.xxh3_64_digest(payload)
+    if header.version > 1:
+        checksum = _bound(view[FRAME_BYTES:payload_at], checksum)
+    if checksum != header.checksum:
         raise _fail("record payload checksum mismatch", "checksum")
     if auth is not None:
-        end = len(view) - header.payload_len - (TAG_BYTES if header.tag is not None else 0)
-        auth.check(header.key_id, header.tag, (view[FRAME_BYTES:end], payload))
+        # Version 1 tags cover the header up to the tag value, version 2 tags the whole header.
+        signed_end = payload_at - (TAG_BYTES if header.version == 1 and header.tag is not None else 0)
+        auth.check(header.key_id, header.tag, (view[FRAME_BYTES:signed_end], payload))
     body = payload[:header.payload_len - header.hidden_len]
     hidden = payload[header.payload_len - header.hidden_len:] if header.hidden_len else None
     if header.codecs:

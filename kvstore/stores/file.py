@@ -101,7 +101,8 @@ class FileStore(Store):
 
     def put(self, key: str, value: WriteValue) -> None:
         path = self._path(key)
-        parts = value.parts if isinstance(value, Pieces) else (byte_view(value),)
+        parts = value.stream() if isinstance(value, Pieces) else (byte_view(value),)
+        size = 0
         try:
             path.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self._tmp)
@@ -109,6 +110,7 @@ class FileStore(Store):
                 with os.fdopen(fd, "wb") as f:
                     for part in parts:
                         f.write(part)
+                        size += len(part)
                     if self.config.fsync:
                         f.flush()
                         os.fsync(f.fileno())
@@ -122,7 +124,7 @@ class FileStore(Store):
         except OSError as exc:
             raise StoreUnavailableError(f"file store write {path} failed: {exc}") from exc
         try:
-            self._account(sum(len(p) for p in parts))
+            self._account(size)
         except OSError as exc:
             raise StoreUnavailableError(f"file store {self.root} could not count or evict: {exc}") from exc
 

@@ -10,12 +10,35 @@ store and wrappers — must pass every test here.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from abc import ABC, abstractmethod
+from typing import Any
 
 from kvstore.buffers import BufferPool, Pieces
 from kvstore.stores.base import Store
+
+
+class _Sha256Seal:
+    """A trailer for tests: the sha256 of every part but the first (a header's place)."""
+
+    nbytes = 32
+    first = 1
+
+    def start(self) -> Any:
+        return _Sha256Sealing()
+
+
+class _Sha256Sealing:
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+
+    def update(self, data: memoryview) -> None:
+        self._hash.update(data)
+
+    def finish(self) -> bytes:
+        return self._hash.digest()
 
 
 def _value(store: Store, key: str) -> bytes:
@@ -130,6 +153,18 @@ class StoreTests(ABC):
         assert _value(store, "kvs1/test/pc-big") == b"h" * 100 + big
         store.flush(10)
         assert self.bypass_get(store, "kvs1/test/pc") == b"head:body:tail"
+
+    def test_sealed_pieces_end_with_their_trailer(self, store: Store) -> None:
+        # A record's checksum is such a trailer: computed as the store sends the pieces.
+        big = os.urandom((3 << 20) + 5)
+        expected = {"kvs1/test/seal": b"head" + big + hashlib.sha256(big).digest(),
+                    "kvs1/test/seal-small": b"h" + b"body" + hashlib.sha256(b"body").digest()}
+        store.put("kvs1/test/seal", Pieces([b"head", memoryview(big)], seal=_Sha256Seal()))
+        store.put_many([("kvs1/test/seal-small", Pieces([b"h", b"body"], seal=_Sha256Seal()))])
+        for key, value in expected.items():
+            assert _value(store, key) == value
+        store.flush(10)
+        assert self.bypass_get(store, "kvs1/test/seal") == expected["kvs1/test/seal"]
 
     def test_a_leased_value_outlives_its_writers_release(self, store: Store) -> None:
         pool = BufferPool(8 << 20)

@@ -17,7 +17,7 @@ upgrade that changes them fails loudly instead of silently losing speed or corre
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -89,8 +89,8 @@ class ZeroCopyPacker:
     def pack(self, *args: Any) -> list[Any]:
         cutoff = self._cutoff
         for arg in args:
-            if isinstance(arg, Pieces):
-                return pack_command(*args)
+            if isinstance(arg, Pieces):  # redis-py sends what it gets: the pieces' own buffers
+                return list(_buffers(pack_command(*args)))
             if isinstance(arg, (bytes, bytearray, memoryview)) and len(arg) > cutoff:
                 packed: list[Any] = self._python.pack(*args)  # type: ignore[no-untyped-call]  # untyped in redis-py
                 return packed
@@ -107,8 +107,9 @@ def _bulk(arg: Any) -> Any:
 
 
 def pack_command(*args: Any) -> list[Any]:
-    """One RESP command as the buffers to ``sendall`` in order: small parts joined, large
-    arguments and every part of a ``Pieces`` argument passed through as they are (no copy)."""
+    """One RESP command as the buffers to ``send_all`` in order: small parts joined, large
+    arguments passed through as they are (no copy), a ``Pieces`` argument as itself, so that
+    ``send_all`` streams it (its trailer is computed as its bytes are sent)."""
     out: list[Any] = []
     head = [b"*%d\r\n" % len(args)]
     for arg in args:
@@ -116,7 +117,7 @@ def pack_command(*args: Any) -> list[Any]:
         if isinstance(value, Pieces):
             head.append(b"$%d\r\n" % value.nbytes)
             out.append(b"".join(head))
-            out.extend(value.parts)
+            out.append(value)
             head = [b"\r\n"]
             continue
         view = byte_view(value)
@@ -229,11 +230,21 @@ class DirectReplies:
             raise redis.exceptions.InvalidResponse(f"unexpected reply to SET: {line[:40]!r}")
 
 
+def _buffers(packed: Iterable[Any]) -> Iterator[Any]:
+    """The buffers of packed commands, each ``Pieces`` streamed (sliced, its trailer last)."""
+    for buf in packed:
+        if isinstance(buf, Pieces):
+            yield from buf.stream()
+        else:
+            yield buf
+
+
 def send_all(sock: Any, buffers: Sequence[Any]) -> None:
-    """``sendall`` every buffer in order, small neighbours coalesced (fewer system calls)."""
+    """``sendall`` every buffer of packed commands in order, small neighbours coalesced (fewer
+    system calls); a ``Pieces`` is streamed, so its trailer is computed as its bytes leave."""
     pending: list[Any] = []
     size = 0
-    for buf in buffers:
+    for buf in _buffers(buffers):
         n = len(buf)
         if n <= _JOIN_CUTOFF:
             pending.append(buf)
