@@ -27,7 +27,7 @@ import torch
 from kvstore.keys import Namespace
 from kvstore.paged import BHNCLayout, CPUPackedLayout, FlashLayout, KVTransfer, MLALayout, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
-from kvstore.record import PayloadChecksum, decode_record, encode_record
+from kvstore.record import decode_record, encode_record
 from kvstore.stores.memory import MemoryStore
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 512, 2048, 256
@@ -109,12 +109,10 @@ def main() -> None:
         del layers, staging, src, dst
         gc.collect()
 
-    print(f"\nPer {CHUNK}-token chunk through KVTransfer (save: gather into pooled staging, and the record's"
-          " checksum hashed as each piece is copied or over the whole chunk afterwards; load: scatter from"
-          " record bytes)")
-    print("| layout | MiB | memcpy GB/s | gather GB/s | gather/memcpy | gather + checksum as it copies GB/s "
-          "| gather, then checksum GB/s | scatter GB/s | scatter/memcpy |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\nPer {CHUNK}-token chunk through KVTransfer (save: gather into pooled staging; load: scatter"
+          " from record bytes)")
+    print("| layout | MiB | memcpy GB/s | gather GB/s | gather/memcpy | scatter GB/s | scatter/memcpy |")
+    print("|---|---|---|---|---|---|---|")
     tokens = np.arange(TOKENS, dtype=np.uint32)
     for name in NAMES:
         layout, layers = caches(name)
@@ -133,36 +131,27 @@ def main() -> None:
         nbytes = sum(len(p) for p in payloads)
         src = torch.randn(nbytes // 2).to(torch.bfloat16)
         dst = torch.empty_like(src)
-        staged = staging.reshape(-1).view(torch.uint8).numpy()
 
-        def save_side(checksum: str = "") -> None:
+        def save_side() -> None:
             for c in chunks:
-                hashed = PayloadChecksum() if checksum == "as it copies" else None
-                xfer._gather(slots[c.start:c.end], staging, hashed)
-                if checksum == "after":
-                    PayloadChecksum().update(staged)
+                xfer._gather(slots[c.start:c.end], staging)
 
         def load_side() -> None:
             for c, kv in zip(chunks, payloads):
                 xfer._scatter(slots[c.start:c.end], kv)
 
-        mc, ga, gh, gt, sc = [], [], [], [], []
+        mc, ga, sc = [], [], []
         for _ in range(args.repeat):
             mc += timeit(lambda: dst.copy_(src), 1)
             ga += timeit(save_side, 1)
-            gh += timeit(lambda: save_side("as it copies"), 1)
-            gt += timeit(lambda: save_side("after"), 1)
             sc += timeit(load_side, 1)
         m, ms = fmt(nbytes, mc)
         g, gs = fmt(nbytes, ga)
-        _, ghs = fmt(nbytes, gh)
-        _, gts = fmt(nbytes, gt)
         sv, ss = fmt(nbytes, sc)
-        print(f"| {name} | {nbytes / 2**20:.0f} | {ms} | {gs} | {g / m:.2f} | {ghs} | {gts} | {ss} | {sv / m:.2f} |",
-              flush=True)
+        print(f"| {name} | {nbytes / 2**20:.0f} | {ms} | {gs} | {g / m:.2f} | {ss} | {sv / m:.2f} |", flush=True)
         if lease is not None:
             lease.release()
-        del layers, xfer, payloads, src, dst, staging, staged
+        del layers, xfer, payloads, src, dst, staging
         gc.collect()
 
 if __name__ == "__main__":

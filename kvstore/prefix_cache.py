@@ -33,7 +33,7 @@ from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
 from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
 from kvstore.keys import ChunkKey, Namespace, TokenIds, chunk_keys, tokens_to_array
 from kvstore.metrics import catalog as metrics
-from kvstore.record import DTYPES, PayloadChecksum, Record, RecordHeader, decode_record, encode_record_pieces
+from kvstore.record import DTYPES, Record, RecordHeader, decode_record, encode_record_pieces
 from kvstore.record.auth import RecordAuth, TagKeys
 from kvstore.record.codecs import resolve_chain
 from kvstore.stores.base import Store
@@ -56,9 +56,6 @@ class ChunkPayload:
     #: The lease ``kv`` and ``hidden`` live in, if any: released by ``save`` (the store retains it
     #: when it keeps the value for a background write).
     owner: Lease | None = None
-    #: The checksum of ``kv``'s bytes if the producer already computed it (a gather hashes each
-    #: layer while it is in cache); used with the raw codec only.
-    kv_checksum: PayloadChecksum | None = None
 
 
 @dataclass
@@ -238,7 +235,6 @@ class PrefixCache:
                         namespace=ns, chunk=chunk, tokens=arr[chunk.start:chunk.end], dtype=ns.kv_dtype,
                         shapes=p.shapes, kv=p.kv, hidden=p.hidden, hidden_dtype=p.hidden_dtype,
                         hidden_shape=p.hidden_shape, chain=self.chain, owner=p.owner, auth=tag_keys,
-                        kv_checksum=p.kv_checksum,
                     )
                 except BaseException:
                     if p.owner is not None:

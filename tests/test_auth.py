@@ -75,11 +75,11 @@ def test_unsigned_forged_and_other_key_records_are_rejected():
     header, payload, trailer = forge.split(signed)
     altered = bytearray(payload)
     altered[0] ^= 0xFF
-    _auth_error(forge.reframe(header, bytes(altered), tag=trailer[-TAG_BYTES:]), keys)
+    _auth_error(forge.reframe(header, bytes(altered), tag=trailer[:TAG_BYTES]), keys)
     # And one that changes a header field the tag covers (the created time), CRC fixed.
-    _auth_error(forge.reframe(dict(header, created=header["created"] + 1), payload, tag=trailer[-TAG_BYTES:]), keys)
+    _auth_error(forge.reframe(dict(header, created=header["created"] + 1), payload, tag=trailer[:TAG_BYTES]), keys)
     # And one that moves the tag into the header, where version 1 kept it.
-    _auth_error(forge.reframe(dict(header, tag=trailer[-TAG_BYTES:]), payload, tag=trailer[-TAG_BYTES:]), keys,
+    _auth_error(forge.reframe(dict(header, tag=trailer[:TAG_BYTES]), payload, tag=trailer[:TAG_BYTES]), keys,
                 reason="header")
 
 

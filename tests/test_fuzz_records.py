@@ -117,9 +117,9 @@ def _parts(data: bytes) -> tuple[dict, bytes, bytes, bytes]:
     return header, data[FRAME_BYTES:FRAME_BYTES + hlen], payload, trailer
 
 
-def _frame(header_bytes: bytes, payload: bytes, trailer: bytes | None = None) -> bytes:
-    """Framed, CRC agreeing; ``trailer`` by default the payload's checksum (nothing signed)."""
-    return forge.frame(header_bytes, payload, trailer)
+def _frame(header_bytes: bytes, payload: bytes, trailer: bytes | None = None, tag: bytes = b"") -> bytes:
+    """Framed, CRC agreeing; ``trailer`` as given, else ``tag`` and the checksum that agrees."""
+    return forge.frame(header_bytes, payload, trailer=trailer, tag=tag)
 
 
 def _regions(base: Base) -> dict[str, tuple[int, int]]:
@@ -128,11 +128,11 @@ def _regions(base: Base) -> dict[str, tuple[int, int]]:
     end = start + len(payload)
     hidden_len = len(base.hidden or b"")
     regions = {"frame": (0, FRAME_BYTES), "header": (FRAME_BYTES, start),
-               "body": (start, end - hidden_len), "checksum": (end, end + CHECKSUM_BYTES)}
+               "body": (start, end - hidden_len), "checksum": (len(base.data) - CHECKSUM_BYTES, len(base.data))}
     if hidden_len:
         regions["hidden"] = (end - hidden_len, end)
     if len(trailer) > CHECKSUM_BYTES:
-        regions["tag"] = (end + CHECKSUM_BYTES, len(base.data))
+        regions["tag"] = (end, len(base.data) - CHECKSUM_BYTES)
     return regions
 
 
@@ -258,8 +258,7 @@ def m_forged(rng: random.Random, base: Base) -> tuple[str, bytes]:
     if rng.random() < 0.2:
         header["created"] = 1_800_000_000.0  # a covered field too
         hb = msgpack.packb(header, use_bin_type=True)
-    tag = trailer[CHECKSUM_BYTES:]
-    return "forged_checksum", _frame(hb, bytes(payload), forge.checksum(hb, bytes(payload)) + tag)
+    return "forged_checksum", _frame(hb, bytes(payload), tag=trailer[:-CHECKSUM_BYTES])
 
 
 MUTATIONS: list[tuple[Callable[[random.Random, Base], tuple[str, bytes]], bool]] = [

@@ -229,23 +229,3 @@ def test_transfer_layers_with_different_strides():
     blocks = [3, 1, 7, 0]
     assert torch.equal(fresh[0][blocks], a[blocks]) and torch.equal(fresh[1][blocks], b[blocks])
     assert fresh[0].abs().sum() == a[blocks].abs().sum() and fresh[1].abs().sum() == b[blocks].abs().sum()
-
-
-@pytest.mark.parametrize("case", [0, 1, 4])
-def test_a_gather_hands_its_bytes_over_as_it_copies_them_in_order(case):
-    """What a save hashes as it gathers (``each_copied``) is exactly the staged bytes, in order."""
-    from kvstore.paged.kernels import host_bytes, host_copy, host_layers
-
-    layout, cache = _caches(torch.bfloat16)[case]
-    caches = [cache, cache * 2, cache * 3]
-    slots = slots_from_block_table([5, 0, 9], N, 3 * N)
-    staging = torch.empty((len(caches), *layout.chunk_shape(cache, len(slots))), dtype=cache.dtype)
-    layers = host_layers([layout.host_layer(c) for c in caches])
-    assert layers is not None
-    seen: list[bytes] = []
-    assert host_copy(layers, slots, host_bytes(staging), False, each_copied=lambda b: seen.append(b.tobytes()))
-    assert b"".join(seen) == host_bytes(staging).tobytes() and len(seen) >= len(caches)
-    for i, c in enumerate(caches):
-        assert torch.equal(staging[i], layout.gather(c, slots, torch.empty_like(staging[i])))
-    with pytest.raises(ValueError, match="each_copied"):
-        host_copy(layers, slots, host_bytes(staging), True, each_copied=seen.append)

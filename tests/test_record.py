@@ -76,27 +76,6 @@ def test_raw_decode_is_a_view_of_the_input():
 
 
 @pytest.mark.parametrize("codec", ["raw", "lz4"])
-def test_a_checksum_hashed_while_gathering_gives_the_same_record(codec):
-    from kvstore.record import PayloadChecksum, encode_record_pieces
-
-    data, chunk, tokens, kv, h = _record(resolve_chain(codec, 2))
-    created = read_header(data).created
-    checksum = PayloadChecksum()
-    for part in (kv[:100], kv[100:]):  # as a gather hashes each layer: in order, piece by piece
-        checksum.update(part)
-    pieces = encode_record_pieces(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16",
-                                  shapes=[(2, 8, 3, 4)] * 2, kv=kv, hidden=h, hidden_dtype="bfloat16",
-                                  hidden_shape=(16,), chain=resolve_chain(codec, 2), created=created,
-                                  kv_checksum=checksum)
-    assert b"".join(bytes(p) for p in pieces.parts) == data  # the codecs' checksum covers their own bytes
-    short = PayloadChecksum()
-    short.update(kv[:-1])
-    with pytest.raises(ValueError, match="hashed"):
-        encode_record_pieces(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16", shapes=[(2, 8, 3, 4)] * 2,
-                             kv=kv, kv_checksum=short)
-
-
-@pytest.mark.parametrize("codec", ["raw", "lz4"])
 def test_the_trailer_is_computed_as_the_pieces_stream(codec):
     from kvstore.record import encode_record_pieces
 
@@ -105,7 +84,7 @@ def test_the_trailer_is_computed_as_the_pieces_stream(codec):
                                   shapes=[(2, 8, 3, 4)] * 2, kv=kv, hidden=h, hidden_dtype="bfloat16",
                                   hidden_shape=(16,), chain=resolve_chain(codec, 2), created=read_header(data).created)
     streamed = [bytes(p) for p in pieces.stream(slice_bytes=64)]
-    assert max(len(p) for p in streamed[1:-1]) == 64 and len(streamed[-1]) == 8  # payload slices, then the checksum
+    assert max(len(p) for p in streamed) == 64 and len(streamed[-1]) == 8  # slices, then the checksum
     assert b"".join(streamed) == data == pieces.tobytes() and len(pieces) == len(data)
 
 

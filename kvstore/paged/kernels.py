@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
-
-from kvstore.types import array_view
 
 __all__ = ["HostLayer", "np_items", "host_bytes", "host_copy", "host_layers"]
 
@@ -75,14 +73,11 @@ def _whole_blocks(slots: np.ndarray, block_size: int) -> np.ndarray | None:
 
 
 def host_copy(layers: Sequence[HostLayer], slots: torch.Tensor, staging: np.ndarray, to_cache: bool,
-               skip: int = 0, each_copied: Callable[[memoryview], None] | None = None) -> bool:
+               skip: int = 0) -> bool:
     """Copy ``slots[skip:]`` between every layer's cache and ``staging`` (the bytes of a staging
     tensor ``[len(layers), *chunk_shape(len(slots))]``, any alignment, read-only unless copying
     from the cache), as whole blocks where they are, else as token rows. All layers alike
-    (one shape). False, having copied nothing, where the items do not allow it.
-    ``each_copied`` (copies from the cache, ``skip=0``) gets the staged bytes piece by piece
-    (each layer's K, then V, ...) in order, right after each piece is written, while it is still
-    in the CPU's cache."""
+    (one shape). False, having copied nothing, where the items do not allow it."""
     if not layers or slots.device.type != "cpu":
         return False
     first, bs, n = layers[0], layers[0].block_size, slots.numel()
@@ -105,9 +100,6 @@ def host_copy(layers: Sequence[HostLayer], slots: torch.Tensor, staging: np.ndar
     staged_items = np_items(staging.reshape(shape))
     assert staged_items is not None  # staging is flat bytes: its reshape's last axis is contiguous
     staged = staged_items[..., skip_items:]
-    if each_copied is not None and (to_cache or skip):
-        raise ValueError("each_copied is for whole copies from the cache")
-    done = 0  # staged bytes written so far, in order
     for layer, part in zip(layers, staged):
         cache_items = getattr(layer, kind)
         pairs = zip(cache_items, part) if cache_items.ndim == 2 else ((cache_items, part),)
@@ -116,9 +108,6 @@ def host_copy(layers: Sequence[HostLayer], slots: torch.Tensor, staging: np.ndar
                 c[idx] = st
             else:  # mode="raise" would buffer the whole output; the range is checked above
                 np.take(c, idx, out=st, mode="clip")
-                if each_copied is not None:
-                    each_copied(array_view(staging[done:done + st.nbytes]))
-                    done += st.nbytes
     return True
 
 

@@ -30,7 +30,7 @@ from kvstore.paged.kernels import host_bytes, host_copy, host_layers
 from kvstore.paged.layouts import PagedLayout, get_layout
 from kvstore.paged.tensors import dtype_name, tensor_bytes
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
-from kvstore.record import PayloadChecksum, Record
+from kvstore.record import Record
 from kvstore.types import Buffer
 
 __all__ = ["KVTransfer"]
@@ -151,11 +151,8 @@ class KVTransfer:
 
         def payload(chunk: ChunkKey) -> ChunkPayload:
             staging, lease = self._host_staging(chunk.num_tokens)
-            # With the raw codec the record's checksum is over these very bytes: hashing each
-            # layer as it is gathered reads it from the CPU's cache, not from memory.
-            checksum = PayloadChecksum() if not self.cache.chain and not self.on_cuda else None
             try:
-                self._gather(slots[chunk.start:chunk.end], staging, checksum)
+                self._gather(slots[chunk.start:chunk.end], staging)
             except BaseException:
                 if lease is not None:
                     lease.release()
@@ -167,26 +164,20 @@ class KVTransfer:
                 hidden, hidden_dtype, hidden_shape = tensor_bytes(h), dtype_name(h.dtype), tuple(h.shape)
             kv = lease.view if lease is not None else tensor_bytes(staging)
             return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=kv, hidden=hidden,
-                                hidden_dtype=hidden_dtype, hidden_shape=hidden_shape, owner=lease,
-                                kv_checksum=checksum)
+                                hidden_dtype=hidden_dtype, hidden_shape=hidden_shape, owner=lease)
 
         return self.cache.save(arr[:keys[-1].end], keys, payload, namespace=namespace)
 
-    def _gather(self, slots: torch.Tensor, host: torch.Tensor, checksum: PayloadChecksum | None = None) -> None:
-        """Copy the KV of ``slots`` in every layer into ``host`` (``_staging_shape(len(slots))``);
-        ``checksum`` (CPU only) hashes each layer's bytes, in order, as soon as they are copied."""
+    def _gather(self, slots: torch.Tensor, host: torch.Tensor) -> None:
+        """Copy the KV of ``slots`` in every layer into ``host`` (``_staging_shape(len(slots))``).
+        The record's checksum is computed later, as the store sends the bytes (``Pieces.stream``)."""
         n = slots.numel()
         if not self.on_cuda:
             staging = host_bytes(host) if self._host is not None else None
-            each = checksum.update if checksum is not None else None
-            if self._host is None or staging is None or not host_copy(self._host, slots, staging, False,
-                                                                      each_copied=each):
+            if self._host is None or staging is None or not host_copy(self._host, slots, staging, False):
                 for layer, cache in enumerate(self.kv_caches):
                     self.layout.gather(cache, slots, host[layer])
-                    if checksum is not None:
-                        checksum.update(tensor_bytes(host[layer]))
             return
-        assert checksum is None  # the device copies land later: nothing to hash as they go
         dev = self._device_staging(n)
         stream = self._stream
         assert stream is not None  # built with the transfer on CUDA

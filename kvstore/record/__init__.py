@@ -9,7 +9,6 @@ from kvstore.record.format import (
     DTYPES,
     FRAME_BYTES,
     MAGIC,
-    PayloadChecksum,
     Record,
     RecordHeader,
     decode_record,
@@ -19,6 +18,5 @@ from kvstore.record.format import (
     read_header,
 )
 
-__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "PayloadChecksum", "Record", "RecordAuth", "RecordHeader", "decode_record", "encode_record",
-           "encode_record_pieces",
-           "kv_nbytes", "read_header"]
+__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "Record", "RecordAuth", "RecordHeader", "decode_record", "encode_record",
+           "encode_record_pieces", "kv_nbytes", "read_header"]

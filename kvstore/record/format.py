@@ -9,20 +9,21 @@ Layout of format version 2, the one written (all integers little-endian)::
     12  4  crc32 of the header bytes
     16  H  header, a msgpack map (fields below)
     16+H   payload: the encoded KV bytes, then (if any) the hidden state's raw bytes
-    ...    trailer: the checksum (8 B); a signed record then has its tag (32 B)
+    ...    trailer: a signed record's tag (32 B), then the checksum (8 B)
 
 Header fields: ``v`` format version, ``ns`` namespace digest (32 B), ``key`` prefix digest of
 this chunk (16 B), ``start`` first token index, ``partial``, ``tokens`` the chunk's token ids
 (uint32-le bytes), ``dtype``, ``shapes`` one shape per stored tensor (typically one per layer),
 ``hidden`` ``[dtype, shape]`` or nil, ``codecs`` the chain applied to the KV bytes, ``raw_len``
 decoded KV length, ``payload_len``, ``created`` unix seconds. A signed record (``auth``) adds,
-last, ``kid`` the 8-byte id of the deployment key; its tag, the keyed BLAKE3 of the header bytes
-and the payload, ends the trailer. Readers that ignore ``kid`` and the tag read signed records.
-The checksum is the xxh3-64 of the header bytes followed by the payload's own xxh3-64: it binds
-the payload to its header, so a payload and trailer spliced under another header never pass.
+last, ``kid`` the 8-byte id of the deployment key; its tag is the keyed BLAKE3 of every byte
+before it. The checksum, the record's last 8 bytes, is the xxh3-64 of every byte before it, so
+it binds the payload to its header (a payload spliced under another header fails) and a reader
+can check a value without parsing it. Readers that ignore ``kid`` and the tag read signed
+records.
 
-The checksum and the tag come after the payload so that a writer computes them as the payload
-leaves (``Pieces.stream``): a slice is hashed while it is in the CPU's cache for its send,
+The tag and checksum come after the payload so that a writer computes them as the record
+leaves (``Pieces.stream``): each slice is hashed while it is in the CPU's cache for its send,
 instead of in a pass over memory of its own before the first byte can go.
 
 Format version 1 (still read, never written) had no trailer: the header held ``checksum``
@@ -178,27 +179,6 @@ def encode_record(
     return view
 
 
-class PayloadChecksum:
-    """A payload's checksum computed piece by piece as its bytes are produced, for
-    ``encode_record_pieces(kv_checksum=...)``: a gather that hashes each layer right after
-    copying it reads bytes still in the CPU's cache, several times cheaper than hashing the
-    whole record from memory afterwards. Counts the bytes it has seen."""
-
-    __slots__ = ("_hasher", "nbytes")
-
-    def __init__(self) -> None:
-        self._hasher = xxhash.xxh3_64()
-        self.nbytes = 0
-
-    def update(self, data: Buffer) -> None:
-        self._hasher.update(data)
-        self.nbytes += memoryview(data).nbytes
-
-    def hasher(self) -> xxhash.xxh3_64:
-        """A copy of the running hasher (this one may go on)."""
-        return self._hasher.copy()
-
-
 def encode_record_pieces(
     *,
     namespace: Namespace,
@@ -214,7 +194,6 @@ def encode_record_pieces(
     created: float | None = None,
     owner: Lease | None = None,
     auth: TagKeys | None = None,
-    kv_checksum: PayloadChecksum | None = None,
 ) -> Pieces:
     """Encode one chunk record as the pieces a store sends in order: frame and header, the
     payload (the KV bytes after the codec chain, then the hidden state), then the trailer, never
@@ -225,13 +204,14 @@ def encode_record_pieces(
     views of ``kv`` and ``hidden`` themselves (no copy): ``owner``, the lease holding them, goes
     with the pieces so a store that keeps the value past the call can retain it. With ``auth``
     (the tenant's keys: ``RecordAuth.for_salt(namespace.cache_salt)``) the record is signed with
-    the current key. The trailer (checksum, tag) is computed as a store streams the pieces
-    (``Pieces.stream``). ``kv_checksum``, if given, has already hashed exactly ``kv``'s bytes in
-    order; with no codecs it stands in for hashing them (with codecs the checksum covers the
-    encoded bytes, so it is not used).
+    the current key. The trailer (tag, checksum) is computed as a store streams the pieces
+    (``Pieces.stream``).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
+    if namespace.format_version != FORMAT_VERSION:
+        raise ValueError(f"namespace of format version {namespace.format_version}: this build writes only "
+                         f"version {FORMAT_VERSION}")
     shapes_t = tuple(tuple(int(d) for d in s) for s in shapes)
     raw_len = kv_nbytes(dtype, shapes_t)
     kv_view = byte_view(kv)
@@ -254,14 +234,6 @@ def encode_record_pieces(
     codecs.validate_chain(chain)
     body = byte_view(codecs.encode(chain, kv_view)) if chain else kv_view
     payload_len = len(body) + (len(hidden_view) if hidden_view is not None else 0)
-    checksum = None  # known now only when the gather has hashed the KV bytes
-    if kv_checksum is not None and not chain:
-        if kv_checksum.nbytes != raw_len:
-            raise ValueError(f"kv_checksum has hashed {kv_checksum.nbytes} bytes, kv has {raw_len}")
-        hasher = kv_checksum.hasher()
-        if hidden_view is not None:
-            hasher.update(hidden_view)
-        checksum = hasher.digest()  # of the payload; bound to the header below
     fields: dict[str, Any] = {
         "v": FORMAT_VERSION,
         "ns": namespace.digest,
@@ -282,59 +254,40 @@ def encode_record_pieces(
     header = msgpack.packb(fields, use_bin_type=True)
     head = _FRAME.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header)) + header
     payload = [body] + ([hidden_view] if hidden_view is not None else [])
-    if auth is None and checksum is not None:
-        return Pieces([head, *payload, _bound(header, checksum)], owner=owner)
-    signer = None
-    if auth is not None:
-        signer = auth.signer(len(header) + payload_len)
-        signer.update(header)
-    return Pieces([head, *payload], owner=owner, seal=_RecordSeal(header, checksum, signer))
-
-
-def _bound(header: Buffer, payload_checksum: bytes) -> bytes:
-    """A version-2 record's checksum: its payload's xxh3-64 bound to its header bytes."""
-    hasher = xxhash.xxh3_64(header)
-    hasher.update(payload_checksum)
-    return hasher.digest()
+    signer = None if auth is None else auth.signer(len(head) + payload_len)
+    return Pieces([head, *payload], owner=owner, seal=_RecordSeal(signer))
 
 
 class _RecordSeal:
-    """The trailer of a version-2 record, computed as its payload streams out: the checksum
-    (from the payload's xxh3, unless the gather computed that), then, for a signed record, the
-    tag. The tag's hasher has been fed the header bytes; each pass continues a copy of it."""
+    """The trailer of a version-2 record, computed as the record streams out: for a signed
+    record the tag, then the checksum, each over every byte before it."""
 
-    first = 1  # part 0 is the frame and header
+    first = 0  # the frame and header are covered too
 
-    def __init__(self, header: bytes, checksum: bytes | None, signer: Any | None) -> None:
-        self._header = header
-        self._checksum = checksum
-        self._signer = signer
-        self.nbytes = CHECKSUM_BYTES + (TAG_BYTES if signer is not None else 0)
+    def __init__(self, signer: Any | None) -> None:
+        self._signer = signer  # a fresh keyed hasher: each pass continues a copy
+        self.nbytes = (TAG_BYTES if signer is not None else 0) + CHECKSUM_BYTES
 
     def start(self) -> _RecordSealing:
-        return _RecordSealing(self._header, self._checksum, None if self._signer is None else self._signer.copy())
+        return _RecordSealing(None if self._signer is None else self._signer.copy())
 
 
 class _RecordSealing:
-    __slots__ = ("_checksum", "_hasher", "_header", "_signer")
+    __slots__ = ("_hasher", "_signer")
 
-    def __init__(self, header: bytes, checksum: bytes | None, signer: Any | None) -> None:
-        self._header = header
-        self._checksum = checksum
-        self._hasher = xxhash.xxh3_64() if checksum is None else None
+    def __init__(self, signer: Any | None) -> None:
+        self._hasher = xxhash.xxh3_64()
         self._signer = signer
 
     def update(self, data: memoryview) -> None:
-        if self._hasher is not None:
-            self._hasher.update(data)
+        self._hasher.update(data)
         if self._signer is not None:
             self._signer.update(data)
 
     def finish(self) -> bytes:
-        payload_checksum = self._checksum if self._hasher is None else self._hasher.digest()
-        assert payload_checksum is not None
-        checksum = _bound(self._header, payload_checksum)
-        return checksum if self._signer is None else checksum + self._signer.digest()
+        tag = b"" if self._signer is None else self._signer.digest()
+        self._hasher.update(tag)
+        return tag + self._hasher.digest()
 
 
 def _fail(message: str, reason: str) -> CorruptRecordError:
@@ -458,15 +411,15 @@ def _parse(view: memoryview) -> tuple[RecordHeader, int]:
         raise _fail(f"header field created={created!r} is not a time", "header")
     payload_at = FRAME_BYTES + len(header_bytes)
     signed = "kid" in h
-    trailer = 0 if version == 1 else CHECKSUM_BYTES + (TAG_BYTES if signed else 0)
+    trailer = 0 if version == 1 else (TAG_BYTES if signed else 0) + CHECKSUM_BYTES
     payload_end = len(view) - trailer
     if version == 1:
         checksum, tag = _bytes(h["checksum"], "checksum", 8), h.get("tag")
     elif payload_end < payload_at:
         raise _fail(f"record of {len(view)} bytes is too short for its trailer", "truncated")
     else:
-        checksum = bytes(view[payload_end:payload_end + CHECKSUM_BYTES])
-        tag = bytes(view[payload_end + CHECKSUM_BYTES:]) if signed else None
+        checksum = bytes(view[len(view) - CHECKSUM_BYTES:])
+        tag = bytes(view[payload_end:payload_end + TAG_BYTES]) if signed else None
     header = RecordHeader(
         version=v,
         namespace=_bytes(h["ns"], "ns", 32),
@@ -567,15 +520,15 @@ def decode_record(
         out = out.cast("B")
     _expect(header, namespace, chunk, tokens, dtype, shapes, hidden_dtype, hidden_shape, out)
     payload = view[payload_at:payload_at + header.payload_len]
-    checksum = xxhash.xxh3_64_digest(payload)
-    if header.version > 1:
-        checksum = _bound(view[FRAME_BYTES:payload_at], checksum)
-    if checksum != header.checksum:
-        raise _fail("record payload checksum mismatch", "checksum")
+    signed: tuple[memoryview, ...]
+    if header.version == 1:
+        checked, signed = payload, (view[FRAME_BYTES:payload_at - (TAG_BYTES if header.tag is not None else 0)], payload)
+    else:
+        checked, signed = view[:len(view) - CHECKSUM_BYTES], (view[:payload_at + header.payload_len],)
+    if xxhash.xxh3_64_digest(checked) != header.checksum:
+        raise _fail("record checksum mismatch", "checksum")
     if auth is not None:
-        # Version 1 tags cover the header up to the tag value, version 2 tags the whole header.
-        signed_end = payload_at - (TAG_BYTES if header.version == 1 and header.tag is not None else 0)
-        auth.check(header.key_id, header.tag, (view[FRAME_BYTES:signed_end], payload))
+        auth.check(header.key_id, header.tag, signed)
     body = payload[:header.payload_len - header.hidden_len]
     hidden = payload[header.payload_len - header.hidden_len:] if header.hidden_len else None
     if header.codecs:
