@@ -25,6 +25,11 @@ Contract:
 ``Pieces`` is one value made of several buffers (a record's header beside its payload) that
 stores send or write in order without joining them, optionally owned by a lease, and optionally
 ended by a trailer computed from the bytes before it (a record's checksum) as they stream out.
+
+A self-checked value (every kvstore record) ends with the xxh3-64 of all its bytes before those
+8. A store that receives one into a lease may hash it as it arrives (``ArrivalDigest``), while
+each piece is in the CPU's cache, and leave the digest in ``Lease.digest``: the reader then
+compares it with the value's last 8 bytes instead of reading the whole value once more.
 """
 
 from __future__ import annotations
@@ -36,12 +41,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+import xxhash
 
 from kvstore.errors import ConfigError
 from kvstore.types import Buffer
 
-__all__ = ["BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool", "configure_default_pool",
-           "DEFAULT_POOL_BYTES", "STREAM_SLICE", "byte_view"]
+__all__ = ["ArrivalDigest", "BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool",
+           "configure_default_pool", "DEFAULT_POOL_BYTES", "SELF_CHECK_BYTES", "STREAM_SLICE", "byte_view"]
 
 #: Default budget of the process-wide pool (``configure_default_pool`` changes it).
 DEFAULT_POOL_BYTES = 1 << 30
@@ -50,12 +56,14 @@ _PAGE = 4096
 #: ``Pieces.stream`` hands sealed parts out in slices this large: small enough that a slice the
 #: seal has just read is still in the CPU's cache when the consumer sends or copies it.
 STREAM_SLICE = 1 << 20
+#: The size of a self-checked value's trailing xxh3-64 (see the module docstring).
+SELF_CHECK_BYTES = 8
 
 
 class Lease:
     """``nbytes`` of a buffer: ``view`` is a writable, byte-addressed memoryview of exactly that size."""
 
-    __slots__ = ("_buf", "_pool", "_refs", "nbytes", "view")
+    __slots__ = ("_buf", "_pool", "_refs", "digest", "nbytes", "view")
 
     def __init__(self, pool: BufferPool | None, buf: Any, nbytes: int) -> None:
         self._pool = pool
@@ -63,6 +71,9 @@ class Lease:
         self._refs = 1
         self.nbytes = nbytes
         self.view: memoryview = byte_view(buf)[:nbytes]
+        #: Set by a store that hashed the value as it arrived: the xxh3-64 of every byte of
+        #: ``view`` but the last ``SELF_CHECK_BYTES`` (``ArrivalDigest``); None otherwise.
+        self.digest: bytes | None = None
 
     @property
     def array(self) -> np.ndarray:
@@ -106,6 +117,29 @@ def byte_view(buf: Any) -> memoryview:
     """``buf`` as a flat, byte-addressed memoryview (``len`` is its size in bytes); no copy."""
     view = buf if isinstance(buf, memoryview) else memoryview(buf)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class ArrivalDigest:
+    """Hashes a value of ``size`` bytes, all but its last ``SELF_CHECK_BYTES``, as its pieces
+    arrive in order (``arrived``), for ``Lease.digest``."""
+
+    __slots__ = ("_end", "_hasher", "_seen")
+
+    def __init__(self, size: int) -> None:
+        self._hasher = xxhash.xxh3_64()
+        self._end = size - SELF_CHECK_BYTES
+        self._seen = 0
+
+    def arrived(self, piece: memoryview) -> None:
+        """The value's next ``len(piece)`` bytes."""
+        take = min(len(piece), self._end - self._seen)
+        if take > 0:
+            self._hasher.update(piece[:take])
+        self._seen += len(piece)
+
+    def digest(self) -> bytes | None:
+        """The digest, or None for a value too short to be self-checked."""
+        return self._hasher.digest() if self._end >= 0 else None
 
 
 class Sealing(Protocol):

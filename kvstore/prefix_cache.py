@@ -189,6 +189,7 @@ class PrefixCache:
                 lease.view, namespace=expect.namespace, chunk=chunk, tokens=arr[chunk.start:chunk.end],
                 dtype=expect.namespace.kv_dtype, shapes=None if expect.shapes is None else expect.shapes(chunk),
                 hidden_dtype=expect.hidden_dtype, hidden_shape=expect.hidden_shape, auth=expect.auth,
+                digest=lease.digest,
             )
         except CorruptRecordError as exc:
             metrics.CORRUPT.inc(reason=exc.reason)

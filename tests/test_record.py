@@ -88,6 +88,21 @@ def test_the_trailer_is_computed_as_the_pieces_stream(codec):
     assert b"".join(streamed) == data == pieces.tobytes() and len(pieces) == len(data)
 
 
+def test_a_digest_computed_on_arrival_stands_in_for_hashing_the_record():
+    import xxhash
+
+    data, chunk, tokens, kv, _ = _record()
+    right = xxhash.xxh3_64_digest(data[:-8])
+    assert bytes(decode_record(data, chunk=chunk, tokens=tokens, digest=right).kv) == kv
+    damaged = bytearray(data)
+    damaged[100] ^= 1  # what arrived is damaged, and so is the digest of what arrived
+    with pytest.raises(CorruptRecordError) as err:
+        decode_record(bytes(damaged), digest=xxhash.xxh3_64_digest(bytes(damaged[:-8])))
+    assert err.value.reason == "checksum"
+    with pytest.raises(CorruptRecordError):
+        decode_record(data, digest=bytes(8))
+
+
 def test_a_payload_and_trailer_under_another_header_are_rejected():
     # Both records have the same lengths, so only the checksum's binding to its header tells.
     a, chunk, tokens, *_ = _record(hidden=False)

@@ -59,6 +59,19 @@ class TestRedisStoreUnixSocketWithPrefix(StoreTests):
             client.set("app1/" + key, value)
 
 
+def test_direct_reads_hash_each_value_as_it_arrives(redis_server):
+    import xxhash
+
+    from kvstore.buffers import BufferPool
+
+    value = os.urandom((5 << 20) + 11)  # several receive slices
+    with open_store(redis_server.url) as store:
+        store.put("kvs2/t/hashed", value)
+        (lease,) = store.get_into(["kvs2/t/hashed"], BufferPool(16 << 20))
+        assert lease is not None and lease.digest == xxhash.xxh3_64_digest(value[:-8])
+        lease.release()
+
+
 def test_ttl_and_prefix_are_applied(redis_server):
     redis_server.flushall()
     with open_store(redis_server.url + "/0?ttl=90s&prefix=kv/") as store:

@@ -502,6 +502,7 @@ def decode_record(
     hidden_dtype: str | None = None,
     hidden_shape: Sequence[int] | None = None,
     auth: TagKeys | None = None,
+    digest: bytes | None = None,
 ) -> Record:
     """Validate and decode a record. Every expectation given is checked before returning.
 
@@ -512,7 +513,10 @@ def decode_record(
     tenant's keys) only a record signed with an accepted key whose tag verifies is accepted.
     With ``out`` (a byte buffer of exactly ``raw_len`` bytes, else the record is rejected) the
     KV bytes are written there, only once the record is accepted; otherwise ``Record.kv`` is a
-    view of ``data`` for uncompressed records (no copy) or a new buffer.
+    view of ``data`` for uncompressed records (no copy) or a new buffer. ``digest``, if given,
+    is the xxh3-64 of all of ``data`` but its last 8 bytes as the caller computed it when the
+    bytes arrived (``Lease.digest``): a version-2 record's checksum is compared with it instead
+    of reading ``data`` again.
     """
     view = _flat(data)
     header, payload_at = _parse(view)
@@ -525,7 +529,9 @@ def decode_record(
         checked, signed = payload, (view[FRAME_BYTES:payload_at - (TAG_BYTES if header.tag is not None else 0)], payload)
     else:
         checked, signed = view[:len(view) - CHECKSUM_BYTES], (view[:payload_at + header.payload_len],)
-    if xxhash.xxh3_64_digest(checked) != header.checksum:
+    if header.version == 1 or digest is None:
+        digest = xxhash.xxh3_64_digest(checked)
+    if digest != header.checksum:
         raise _fail("record checksum mismatch", "checksum")
     if auth is not None:
         auth.check(header.key_id, header.tag, signed)

@@ -18,7 +18,10 @@ Contract, for every backend:
 * ``get_into(keys, pool)`` yields the values in key order, each in a ``Lease`` (a pool buffer, or
   a borrowed view of memory the store owns) that the consumer releases when done with it; a
   backend may receive later values while the consumer works on earlier ones. Closing the
-  iterator early stops that and releases what it prefetched.
+  iterator early stops that and releases what it prefetched. A backend may set a lease's
+  ``digest`` (the xxh3-64 of all but the value's last 8 bytes, ``ArrivalDigest``) computed as
+  the value arrived; it must then be exactly that, since readers check records against it.
+  (The tiered store hands its tiers' leases through; values it copies carry none.)
 * ``deadline`` bounds how long one call may block on a remote server (``None``: the store does
   no network I/O); ``flush`` waits, at most ``timeout``, for writes accepted but not yet
   durable in the backend (background queues) and says whether they all landed.

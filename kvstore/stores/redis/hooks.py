@@ -24,7 +24,7 @@ import numpy as np
 import redis
 from redis.connection import PythonRespSerializer
 
-from kvstore.buffers import Pieces, byte_view
+from kvstore.buffers import ArrivalDigest, Pieces, byte_view
 from kvstore.types import Buffer, array_view
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ __all__ = ["Connection", "SSLConnection", "UnixConnection", "DirectReplies", "Ze
 #: Values at least this large are received into numpy buffers (transparent huge pages).
 HUGE_VALUE = 1 << 20
 _JOIN_CUTOFF = 1 << 14  # smaller command arguments are joined into one buffer (fewer send calls)
+_RECV_SLICE = 1 << 20  # a hashed reply is received in slices the hash reads while still in the CPU's cache
 
 
 def check_redis_py() -> None:
@@ -176,6 +177,8 @@ class DirectReplies:
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._buf = bytearray()
+        #: After ``value(hashed=True)``: the value's ``ArrivalDigest`` (None if too short).
+        self.digest: bytes | None = None
 
     def _fill(self) -> None:
         chunk = self._sock.recv(self._HEADER_READ)
@@ -190,9 +193,11 @@ class DirectReplies:
         del self._buf[:end + 2]
         return line
 
-    def value(self, into: Callable[[int], memoryview] | None = None) -> memoryview | None:
+    def value(self, into: Callable[[int], memoryview] | None = None, *, hashed: bool = False) -> memoryview | None:
         """The next GET reply's value (``None`` for a miss), received into ``into(size)`` when
-        given (a leased buffer of exactly ``size`` bytes), else into a new buffer."""
+        given (a leased buffer of exactly ``size`` bytes), else into a new buffer. With
+        ``hashed`` the value is received in slices, each hashed right after it lands
+        (``ArrivalDigest``, left in ``self.digest``)."""
         line = self._line()
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
@@ -208,14 +213,21 @@ class DirectReplies:
             # A fresh buffer over glibc's mmap threshold page-faults per 4 KiB page; numpy asks
             # the kernel for transparent huge pages, which fault far less often.
             view = array_view(np.empty(size, dtype=np.uint8)) if size >= HUGE_VALUE else memoryview(bytearray(size))
+        arrival = ArrivalDigest(size) if hashed else None
         have = min(size, len(self._buf))
         view[:have] = self._buf[:have]
         del self._buf[:have]
+        if arrival is not None:
+            arrival.arrived(view[:have])
         while have < size:
-            n = self._sock.recv_into(view[have:])
+            stop = size if arrival is None else min(size, have + _RECV_SLICE)
+            n = self._sock.recv_into(view[have:stop])
             if not n:
                 raise redis.exceptions.ConnectionError("server closed the connection mid-value")
+            if arrival is not None:
+                arrival.arrived(view[have:have + n])
             have += n
+        self.digest = arrival.digest() if arrival is not None else None
         while len(self._buf) < 2:  # the CRLF after the value
             self._fill()
         del self._buf[:2]

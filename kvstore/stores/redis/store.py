@@ -399,13 +399,15 @@ class _RedisStoreBase(Store):
                 return lease.view
 
             try:
-                view = reader.value(into)
+                view = reader.value(into, hashed=True)
             except BaseException:
                 for lease in leased:
                     lease.release()
                 raise
             slot = slots[i]
             slot.lease = leased[0] if view is not None else None
+            if slot.lease is not None:
+                slot.lease.digest = reader.digest
             slot.done.set()
             return 0 if view is None else len(view)
 
