@@ -190,7 +190,7 @@ def test_corrupt_records_miss_noise_records_change_tokens(model_dir, baseline, f
         kv = torch.frombuffer(bytearray(rec.kv), dtype=torch.bfloat16)
         noise = (torch.from_numpy(rng.standard_normal(kv.numel()).astype(np.float32)) * kv.float().std()).to(torch.bfloat16)
         chunk = ChunkKey(0, h.start, h.start + h.num_tokens, h.key, h.partial, key)
-        target.put(key, encode_record(namespace=SimpleNamespace(digest=h.namespace), chunk=chunk, tokens=h.token_ids,
+        target.put(key, encode_record(namespace=SimpleNamespace(digest=h.namespace, format_version=h.version), chunk=chunk, tokens=h.token_ids,
                                       dtype=h.dtype, shapes=h.shapes, kv=noise.view(torch.uint8).numpy().tobytes(),
                                       chain=h.codecs))
     conn = {"store": ["memory://", url], "chunk_tokens": 64}
