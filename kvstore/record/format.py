@@ -212,7 +212,7 @@ def encode_record_pieces(
     if namespace.format_version != FORMAT_VERSION:
         raise ValueError(f"namespace of format version {namespace.format_version}: this build writes only "
                          f"version {FORMAT_VERSION}")
-    shapes_t = tuple(tuple(int(d) for d in s) for s in shapes)
+    shapes_t = _int_shapes(shapes)
     raw_len = kv_nbytes(dtype, shapes_t)
     kv_view = byte_view(kv)
     if len(kv_view) != raw_len:
@@ -242,7 +242,7 @@ def encode_record_pieces(
         "partial": chunk.partial,
         "tokens": tok.tobytes(),
         "dtype": dtype,
-        "shapes": [list(s) for s in shapes_t],
+        "shapes": shapes_t,  # msgpack packs tuples as arrays, as it packs lists
         "hidden": hidden_meta,
         "codecs": list(chain),
         "raw_len": raw_len,
@@ -256,6 +256,19 @@ def encode_record_pieces(
     payload = [body] + ([hidden_view] if hidden_view is not None else [])
     signer = None if auth is None else auth.signer(len(head) + payload_len)
     return Pieces([head, *payload], owner=owner, seal=_RecordSeal(signer))
+
+
+def _int_shapes(shapes: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """``shapes`` as tuples of Python ints; one shape object repeated (every layer alike, the
+    common case) is converted once."""
+    out = []
+    last: Any = None
+    converted: tuple[int, ...] = ()
+    for shape in shapes:
+        if shape is not last:
+            last, converted = shape, tuple(int(d) for d in shape)
+        out.append(converted)
+    return tuple(out)
 
 
 class _RecordSeal:
