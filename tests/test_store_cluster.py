@@ -120,3 +120,30 @@ def test_a_frozen_node_costs_get_into_one_short_deadline(redis_cluster):
             os.kill(frozen, signal.SIGCONT)
         assert pool.stats()["leased_bytes"] == 0
         assert [bytes(v) for v in store.get_many(keys)] == [b"v" * 100_000] * len(keys)
+
+
+def test_a_frozen_node_costs_a_pipelined_batch_one_short_deadline(redis_cluster):
+    # The client's pipeline (reads other than get_into, lookups, deletes) must not resend each
+    # failed command to the silent node, a deadline each.
+    import os
+    import signal
+    import time
+
+    from kvstore.errors import StoreUnavailableError
+
+    redis_cluster.flushall()
+    keys = [f"kvs1/fp/{i:04x}" for i in range(12)]
+    with open_store(redis_cluster.url + "?timeout=200ms&connect_timeout=200ms") as store:
+        store.put_many([(k, b"v") for k in keys])
+        assert store.get_many(keys) == [b"v"] * len(keys)  # connections to every node are up
+        frozen = redis_cluster.nodes[2]._proc.proc.pid
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            for call in (store.get_many, store.exists_many):
+                start = time.monotonic()
+                with pytest.raises(StoreUnavailableError):
+                    call(keys)
+                assert time.monotonic() - start < 1.0, call
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        assert store.get_many(keys) == [b"v"] * len(keys)

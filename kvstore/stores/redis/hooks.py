@@ -8,7 +8,9 @@ buffer; the Redis store avoids both, which needs three things redis-py does not 
   arguments as they are;
 * ``Connection._sock``, the connected socket: ``DirectReplies`` reads GET replies from it
   straight into buffers of their final size;
-* ``PythonRespSerializer`` and ``HiredisRespSerializer`` in ``redis.connection``.
+* ``PythonRespSerializer`` and ``HiredisRespSerializer`` in ``redis.connection``;
+* ``ClusterPipeline.send_cluster_commands`` and its execution strategy's ``command_queue``: the
+  cluster store runs a pipeline without redis-py's per-command retries (``cluster_pipeline_commands``).
 
 ``check_redis_py()`` verifies all of them and names what is missing; the store calls it when it
 first connects and ``tests/test_redis_hooks.py`` runs it against the installed redis-py, so an
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import redis
+import redis.cluster
 from redis.connection import PythonRespSerializer
 
 from kvstore.buffers import ArrivalDigest, Pieces, byte_view
@@ -36,7 +39,7 @@ try:  # hiredis packs small commands faster than Python; redis-py works without 
 except ImportError:  # pragma: no cover - older redis-py
     HIREDIS_AVAILABLE = False
 
-__all__ = ["Connection", "SSLConnection", "UnixConnection", "DirectReplies", "ZeroCopyPacker", "wire",
+__all__ = ["Connection", "SSLConnection", "UnixConnection", "DirectReplies", "ZeroCopyPacker", "wire", "cluster_pipeline_commands",
            "raw_socket", "check_redis_py", "HUGE_VALUE", "pack_command", "send_all"]
 
 #: Values at least this large are received into numpy buffers (transparent huge pages).
@@ -61,9 +64,25 @@ def check_redis_py() -> None:
                 missing.append(f"redis.Connection.{attr}")
     if not callable(getattr(PythonRespSerializer, "pack", None)):
         missing.append("redis.connection.PythonRespSerializer.pack")
+    pipeline = getattr(redis.cluster, "ClusterPipeline", None)
+    if pipeline is None or not callable(getattr(pipeline, "send_cluster_commands", None)):
+        missing.append("redis.cluster.ClusterPipeline.send_cluster_commands")
+    for name in ("MovedError", "AskError"):
+        if not hasattr(redis.exceptions, name):
+            missing.append(f"redis.exceptions.{name}")
     if missing:
         raise RuntimeError(f"redis-py {redis.__version__} lacks what kvstore's Redis store uses: "
                            + ", ".join(missing) + "; pin redis to a version kvstore supports")
+
+
+def cluster_pipeline_commands(pipe: Any) -> list[Any]:
+    """The commands queued in a redis-py ``ClusterPipeline`` (``send_cluster_commands``' stack)."""
+    try:
+        queue: list[Any] = pipe._execution_strategy.command_queue
+    except AttributeError as exc:
+        raise RuntimeError(f"redis-py {redis.__version__}: a ClusterPipeline without an execution strategy's "
+                           "command_queue; pin redis to a version kvstore supports") from exc
+    return queue
 
 
 def raw_socket(conn: Any) -> Any:

@@ -139,9 +139,6 @@ class _RedisStoreBase(Store):
         pool = self._direct_pool()
         return None if pool is None else [(pool, list(range(len(keys))))]
 
-    def _rerouted(self) -> None:
-        """A direct read was told its key lives elsewhere (a cluster's slots moved)."""
-
     #: Threads of direct reads beyond the spread, created only as needed: enough that a batch's
     #: reader never queues behind another batch's (a batch's readers wait on each other's
     #: progress through ``Waves``), and that a cluster reads every node of a batch at once.
@@ -220,8 +217,11 @@ class _RedisStoreBase(Store):
                 n += 1
             if n == 0:
                 return []
-            replies: list[Any] = pipe.execute()
-            return replies
+            return self._execute(pipe)
+
+    def _execute(self, pipe: Any) -> list[Any]:
+        replies: list[Any] = pipe.execute()
+        return replies
 
     # -- direct socket I/O (a single server) -----------------------------------------------------
     def _threads(self, *, writes: bool = False) -> ThreadPoolExecutor:
@@ -345,9 +345,8 @@ class _RedisStoreBase(Store):
             yield from super().get_into(keys, pool)
             return
         done = yield from self._get_into_direct(keys, routes, pool)
-        if done < len(keys):
+        if done < len(keys):  # the pipeline, told MOVED too, relearns the slots' homes
             yield from super().get_into(keys[done:], pool)
-            self._rerouted()
 
     def _get_into_direct(self, keys: Sequence[str], routes: list[tuple[Any, list[int]]],
                          pool: BufferPool) -> Generator[Lease | None, None, int]:
@@ -613,9 +612,28 @@ class RedisClusterStore(_RedisStoreBase):
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
             return None  # e.g. a slot not covered now: the pipeline says what is wrong
 
+    def _execute(self, pipe: Any) -> list[Any]:
+        """The pipeline's replies, a failed command raising. A timeout ends the batch: one
+        deadline. (redis-py's own ``execute`` would then resend every command that failed one by
+        one, a deadline each against a frozen node, and retry timeouts as if they were lost
+        connections.) Only a moved slot runs the batch again: after refreshing the slot map,
+        following the redirections."""
+        stack = hooks.cluster_pipeline_commands(pipe)
+        try:
+            replies: list[Any] = pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
+            if any(isinstance(r, (redis.exceptions.MovedError, redis.exceptions.AskError)) for r in replies):
+                self._rerouted()
+                replies = pipe.send_cluster_commands(stack, raise_on_error=False)
+        finally:
+            pipe.reset()
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
+
     def _rerouted(self) -> None:
-        """Learn the slots' new homes for the next batch (best effort: the pipeline that finished
-        this one followed the redirections itself)."""
+        """Learn the slots' new homes (best effort: the batch that was told MOVED then follows
+        the redirections itself)."""
         try:
             self._redis.nodes_manager.initialize()
         except Exception as exc:  # noqa: BLE001 - an outage shows in the next call, not here
