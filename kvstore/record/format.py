@@ -53,7 +53,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvstore.buffers import Lease, Pieces, byte_view
+from kvstore.buffers import SELF_CHECK_BYTES, Lease, Pieces, byte_view
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import FORMAT_VERSION, ChunkKey, Namespace, TokenIds, tokens_to_array
 from kvstore.record import codecs
@@ -67,7 +67,7 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_RAW_BYTES = 4 << 30  # no record decodes to more: a lying header must not make us allocate without bound
 _MAX_COMPRESSION_RATIO = 300  # above lz4's and far above what KV data reaches (1.5)
 SUPPORTED_VERSIONS = (1, 2)
-CHECKSUM_BYTES = 8
+CHECKSUM_BYTES = SELF_CHECK_BYTES  # a record is a self-checked value: what a store's ArrivalDigest hashes
 _MAX_START = 1 << 40  # token positions
 _MAX_CREATED = 1e11  # unix seconds (year 5138): anything later is a lie, and so is NaN
 _TAG_MARKER = b"\xa3tag\xc4" + bytes([TAG_BYTES])  # version 1, msgpack: fixstr "tag", bin8 of 32 bytes
