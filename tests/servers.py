@@ -91,6 +91,22 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     raise TimeoutError(f"{what} did not come up within {timeout}s")
 
 
+def frozen_state(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped (the signal is delivered asynchronously):
+    its sockets still accept connections, nothing answers."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: frozen_state(pid), 10, f"process {pid} stopping")
+
+
+def thaw(pid: int) -> None:
+    os.kill(pid, signal.SIGCONT)
+
+
 def _port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import pytest
 from fault_servers import BlackHole, CallLog, Counting, HoldingProxy
+from servers import freeze, thaw
 
 from kvstore.connectors.agent import KVStoreAgent
 from kvstore.errors import CorruptRecordError, StoreTimeoutError
@@ -57,21 +58,6 @@ def wait_for(check, timeout: float = GUARD) -> bool:
             return True
         time.sleep(0.02)
     return False
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rpartition(")")[2].split()[0]
-
-
-def freeze(pid: int) -> None:
-    """SIGSTOP ``pid`` and wait until it is stopped (the signal is delivered asynchronously)."""
-    os.kill(pid, signal.SIGSTOP)
-    assert wait_for(lambda: _state(pid) in ("T", "t"))
-
-
-def thaw(pid: int) -> None:
-    os.kill(pid, signal.SIGCONT)
 
 
 def errors(tier: str) -> float:
