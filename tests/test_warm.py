@@ -350,8 +350,8 @@ def test_vllm_warm_then_a_fresh_vllm_engine_hits_every_prompt(tmp_path):
 
     spec = {"model": str(model), "connector": {"store": [store], "chunk_tokens": 64},
             "actions": [{"generate": prompts, "max_tokens": 2}]}
-    worker = Path(__file__).parent / "vllm_worker.py"
-    run = subprocess.run([sys.executable, str(worker), json.dumps(spec)], capture_output=True, text=True, timeout=600)
-    result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    from vllm_engines import run_engine
+
+    result = run_engine(spec, timeout=600)
     block = vllm_model.BLOCK_SIZE
     assert result["results"][0]["cached"] == [(len(p) - 1) // block * block for p in prompts]

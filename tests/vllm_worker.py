@@ -23,12 +23,15 @@ connector), ``role`` (vLLM kv_role, default kv_both), ``engine`` (extra ``LLM(..
 
 The last line printed is ``RESULT <json>`` with ``{"results": [...], "startup": s}``. Each
 engine runs in its own process (vLLM needs a ``__main__`` guard and cannot host two engines).
+
+    python tests/vllm_worker.py --serve SOCKET    (the engine server of tests/vllm_engines.py)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -149,7 +152,105 @@ def _step_by_hand(llm, action: dict, sampling_params) -> dict:
     return {"tokens": [tokens.get(r) for r in ids], "steps": steps, "seconds": time.perf_counter() - t}
 
 
+# -- the engine server: vLLM imported once, one forked process per engine ----------------------------
+def serve(path: str) -> None:
+    """Import vLLM once (about 18 s of this machine's CPU) and then fork one process per engine.
+
+    A client connects to the Unix socket ``path`` and sends one line, ``{"spec": ..., "env":
+    {...}}``. The server forks a supervisor, which forks the engine process and answers
+    ``PID <pid>``; the engine process has the connection as its stdin, stdout and stderr, runs
+    ``main(spec)`` under exactly ``env`` and exits as a worker started from the command line
+    would (its atexit handlers, e.g. the connector's final flush, run). The supervisor then sends
+    ``EXIT <status>`` (negative: the signal that ended it) and closes the connection.
+
+    Forking a process that has imported vLLM is what vLLM does itself on GPUs (its default
+    start method is fork; on CPU it spawns its engine core and workers, so a multi-process
+    engine still pays their imports). The server holds nothing of an engine: no LLM, no torch
+    threads, no store.
+    """
+    import socket
+
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    import vllm  # noqa: F401
+    import vllm_model  # noqa: F401
+    from vllm import LLM, SamplingParams  # noqa: F401
+    from vllm.config import KVTransferConfig  # noqa: F401
+
+    import connectors.vllm_v1  # noqa: F401  (vLLM still loads it by its module path, from sys.modules)
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(8)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
+    print("READY", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        request = json.loads(conn.makefile("rb").readline())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:
+            listener.close()
+            _supervise(conn, request)  # returns only in the engine process, to run main()
+            return
+        conn.close()
+
+
+def _supervise(conn, request: dict) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        _engine(conn, request)
+        return
+    conn.sendall(f"PID {pid}\n".encode())
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    try:
+        conn.sendall(f"EXIT {code}\n".encode())
+    finally:
+        os._exit(0)
+
+
+def _engine(conn, request: dict) -> None:
+    os.setsid()  # a client that gives up kills the engine's whole group (its vLLM processes too)
+    for fd in (0, 1, 2):
+        os.dup2(conn.fileno(), fd)
+    conn.close()
+    sys.stdout.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _ENGINE_REQUEST.append(request["spec"])
+
+
+_ENGINE_REQUEST: list[dict] = []  # set in an engine process forked by serve()
+
+
+def _run_forked(spec: dict) -> None:
+    """``main(spec)`` in a forked engine process, then exit as the command line would, less the
+    interpreter's teardown of every module (3 s here, and nothing of an engine's contract): the
+    atexit handlers run (vLLM's shutdown, the connector's final flush), then the process ends."""
+    import atexit
+    import threading
+    import traceback
+
+    code = 0
+    try:
+        print("RESULT " + json.dumps(main(spec)), flush=True)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # reported like an uncaught exception: exit status 1
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # as at a normal exit: wait for the threads that are not daemons
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     arg = sys.argv[1]
-    out = main(json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg))
-    print("RESULT " + json.dumps(out), flush=True)
+    if arg == "--serve":
+        serve(sys.argv[2])  # returns only in a forked engine process
+        _run_forked(_ENGINE_REQUEST[0])
+    spec = json.loads(Path(arg[1:]).read_text() if arg.startswith("@") else arg)
+    print("RESULT " + json.dumps(main(spec)), flush=True)

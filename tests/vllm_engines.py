@@ -1,0 +1,175 @@
+"""Real vLLM engines for tests, each in its own process: ``run_engine(spec)``.
+
+An engine process runs ``tests/vllm_worker.py``'s ``main(spec)``. Importing vLLM costs about 18 s
+of CPU here, more than most engines then run, so by default the processes are forked from one
+engine server (``vllm_worker.py --serve``) that has imported vLLM once per test session (its
+docstring says why that is sound). ``KVSTORE_TEST_ENGINE_SERVER=0`` starts a fresh interpreter
+per engine instead (slower; for telling a fork-related problem from others).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from servers import die_with_parent
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "vllm_worker.py"
+SERVER_READY_S = 180.0  # the server's one import of vLLM, on a loaded machine
+
+
+def engine_env(env: dict | None = None, *, multiprocess: bool = False) -> dict[str, str]:
+    """The environment of an engine process: ours, ``env`` on top, this checkout importable, and
+    vLLM's engine core in-process unless ``multiprocess``."""
+    out = dict(os.environ, **(env or {}), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    if not multiprocess:
+        out["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return out
+
+
+class _Server:
+    """The engine server of this test session, started on first use."""
+
+    _lock = threading.Lock()
+    _current: _Server | None = None
+
+    def __init__(self) -> None:
+        self._dir = tempfile.mkdtemp(prefix="kvstore-engines-")
+        self.path = os.path.join(self._dir, "socket")
+        self._log = open(os.path.join(self._dir, "server.log"), "w+")
+        self.proc = subprocess.Popen([sys.executable, str(WORKER), "--serve", self.path], env=engine_env(),
+                                     cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
+        deadline = time.monotonic() + SERVER_READY_S
+        while not self._ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                self._log.seek(0)
+                raise RuntimeError(f"the vLLM engine server did not start:\n{self._log.read()[-4000:]}")
+            time.sleep(0.1)
+
+    def _ready(self) -> bool:
+        self._log.seek(0)
+        return "READY" in self._log.read()
+
+    @classmethod
+    def get(cls) -> _Server:
+        with cls._lock:
+            if cls._current is None or cls._current.proc.poll() is not None:
+                cls._current = cls()
+                atexit.register(cls._current.close)
+            return cls._current
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+class _EngineProcess:
+    """One engine: its output lines, a way to answer it, its exit status."""
+
+    def __init__(self, spec: dict, env: dict[str, str]) -> None:
+        self.returncode: int | None = None
+        if os.environ.get("KVSTORE_TEST_ENGINE_SERVER", "1") == "0":
+            self._proc: subprocess.Popen | None = subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps(spec)], env=env, cwd=str(ROOT), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            self.pid = self._proc.pid
+            return
+        self._proc = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(_Server.get().path)
+        self._sock.sendall((json.dumps({"spec": spec, "env": env}) + "\n").encode())
+        self._file = self._sock.makefile("r", encoding="utf-8", errors="replace")
+        first = self._file.readline()
+        if not first.startswith("PID "):
+            raise RuntimeError(f"the vLLM engine server answered {first!r}")
+        self.pid = int(first.split()[1])
+
+    def lines(self, deadline: float):
+        """Output lines until the engine ends (``returncode`` set); TimeoutError past ``deadline``."""
+        if self._proc is not None:
+            assert self._proc.stdout is not None
+            for line in self._proc.stdout:
+                yield line
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+            self.returncode = self._proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            return
+        while True:
+            self._sock.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                line = self._file.readline()
+            except TimeoutError:
+                raise TimeoutError from None
+            if not line:
+                self.returncode = -1  # the supervisor died: no status
+                return
+            if line.startswith("EXIT "):
+                self.returncode = int(line.split()[1])
+                return
+            yield line
+
+    def answer(self) -> None:
+        """A line on the engine's stdin (the reply to ``WAITING``)."""
+        if self._proc is not None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.write("\n")
+            self._proc.stdin.flush()
+        else:
+            self._sock.sendall(b"\n")
+
+    def kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            return
+        try:
+            os.killpg(self.pid, 9)  # the engine's group: it and the vLLM processes it forked
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        if self._proc is None:
+            self._file.close()
+            self._sock.close()
+
+
+def run_engine(spec: dict, *, multiprocess: bool = False, timeout: float = 240,
+               stdin_hook: Callable[[str], None] | None = None, env: dict | None = None,
+               check: bool = True) -> dict:
+    """Run one engine on ``spec``; its RESULT json plus ``wall`` (seconds), ``log`` (its output)
+    and ``returncode``. With ``check`` (the default) the engine must have finished and exited 0."""
+    start = time.monotonic()
+    engine = _EngineProcess(spec, engine_env(env, multiprocess=multiprocess))
+    lines: list[str] = []
+    try:
+        for line in engine.lines(start + timeout):
+            lines.append(line)
+            if line.startswith("WAITING ") and stdin_hook is not None:
+                stdin_hook(line.split()[1])
+                engine.answer()
+    except TimeoutError:
+        engine.kill()
+        pytest.fail(f"engine did not finish within {timeout}s:\n{''.join(lines[-60:])}")
+    finally:
+        engine.close()
+    result = [ln for ln in lines if ln.startswith("RESULT ")]
+    if check:
+        assert engine.returncode == 0 and result, f"engine failed (rc={engine.returncode}):\n{''.join(lines[-80:])}"
+    out = json.loads(result[-1][len("RESULT "):]) if result else {}
+    out.update(wall=time.monotonic() - start, log="".join(lines), returncode=engine.returncode)
+    return out
