@@ -1,4 +1,4 @@
-"""What distance does to a batch: 16-record loads and lookups through a shaped link.
+"""What distance does to a batch: 16-record loads, saves and lookups through a shaped link.
 
 Redis sits behind ``proxy.ShapedProxy`` (a one-way delay per direction and a bandwidth cap per
 connection). For each round-trip time and connection count, one batch of 16 records of 1 MiB:
@@ -10,7 +10,9 @@ connection). For each round-trip time and connection count, one batch of 16 reco
                      plus the bytes over N connections' caps
   kvstore lookup     ``longest_prefix`` of the 16 keys (pipelined EXISTS): 1 round trip
 
-and the model: ``RTT + bytes / (N x cap)``. Milliseconds, median of ``--reps``.
+and the same batch written: the raw client's 16 pipelined SETs on one connection against
+kvstore's ``put_many`` over N connections (``connections``). The model of both tables:
+``RTT + bytes / (N x cap)``. Milliseconds, median of ``--reps``.
 
     python benchmarks/bench_distance.py [--reps 5] [--rate-mbps 2000]
 """
@@ -64,6 +66,8 @@ def main() -> None:
             for k in keys:
                 r.set(k, np.random.default_rng(0).integers(0, 255, SIZE, dtype=np.uint8).tobytes())
         pool = BufferPool(256 << 20)
+        values = [bytes(memoryview(np.full(SIZE, i, np.uint8))) for i in range(N)]
+        writes: list[tuple[float, float, list[float], list[float]]] = []
         print(f"\n{N} records of {SIZE >> 20} MiB per batch; cap {args.rate_mbps:.0f} Mbit/s per connection; "
               f"ms, median of {args.reps}\n")
         print("| RTT ms | naive (16 GETs) | raw pipelined (1 conn) | kvstore get_into 1 / 2 / 4 conns | "
@@ -93,12 +97,27 @@ def main() -> None:
                 model = [rtt + N * SIZE / (c * rate) * 1e3 for c in (1, 2, 4)]
                 print(f"| {rtt:.0f} | {naive:.1f} | {rawt:.1f} | {' / '.join(f'{t:.1f}' for t in ours)} | "
                       f"{' / '.join(f'{t:.1f}' for t in model)} | {lookups[0]:.2f} |", flush=True)
+                writes.append((rtt, ms(lambda: raw.set_many(zip(keys, values)), args.reps),
+                               [_put_ms(proxy.port, conns, keys, values, args.reps) for conns in (1, 2, 4)], model))
                 raw.close()
                 naive_client.close()
             finally:
                 proxy.close()
+        print("\n| RTT ms | raw pipelined SETs (1 conn) | kvstore put_many 1 / 2 / 4 conns | model 1 / 2 / 4 |")
+        print("|---|---|---|---|")
+        for rtt, rawt, ours, model in writes:
+            print(f"| {rtt:.0f} | {rawt:.1f} | {' / '.join(f'{t:.1f}' for t in ours)} | "
+                  f"{' / '.join(f'{t:.1f}' for t in model)} |")
     finally:
         server.close()
+
+
+def _put_ms(port: int, conns: int, keys: list[str], values: list[bytes], reps: int) -> float:
+    store = RedisStore.from_url(f"redis://127.0.0.1:{port}?connections={conns}&write_timeout=30s")
+    try:
+        return ms(lambda: store.put_many(zip(keys, values)), reps)
+    finally:
+        store.close()
 
 
 if __name__ == "__main__":

@@ -95,6 +95,27 @@ def test_large_record_from_memoryview_without_copy(redis_server):
         assert store.get_many(["big2"])[0] == bytes(view)
 
 
+def test_a_write_batch_splits_its_bytes_evenly_over_its_connections(redis_server):
+    """Through a capped link (a send returns long before the link has carried it), each of the 4
+    connections of ``put_many`` carries a quarter of the batch's bytes, whatever the sizes'
+    order, not whatever its sender thread happened to grab first."""
+    from kvstore.testing.proxy import ShapedProxy
+
+    redis_server.flushall()
+    sizes = [256 << 10] * 12 + [512 << 10] * 2 + [128 << 10] * 4  # 5 MiB: 1.25 MiB per connection
+    items = [(f"kvs1/even/{i:02d}", bytes([i]) * n) for i, n in enumerate(sizes)]
+    proxy = ShapedProxy(redis_server.port, rate=20e6)
+    try:
+        with open_store(f"redis://127.0.0.1:{proxy.port}/0?connections=4&write_timeout=30s") as store:
+            store.put_many(items)
+            carried = proxy.bytes_sent()
+            assert len(carried) == 4
+            assert max(carried) - min(carried) <= 256 << 10, carried  # within one value of even
+            assert store.get_many([k for k, _ in items]) == [v for _, v in items]
+    finally:
+        proxy.close()
+
+
 @pytest.mark.parametrize("connections", [1, 3])
 def test_reads_in_waves_return_every_value_in_order(redis_server, monkeypatch, connections):
     """GETs go out in waves that keep a window of replies requested ahead (here 1 MiB, so

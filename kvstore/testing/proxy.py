@@ -22,6 +22,7 @@ class _Pipe:
     def __init__(self, src: socket.socket, dst: socket.socket, delay: float, rate: float) -> None:
         self.src, self.dst, self.delay, self.rate = src, dst, delay, rate
         self.queue: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.carried = 0  # bytes read from ``src`` so far
         self.cond = threading.Condition()
         self.closed = False
         threading.Thread(target=self._read, daemon=True).start()
@@ -33,6 +34,7 @@ class _Pipe:
             while chunk := self.src.recv(1 << 16):
                 now = time.monotonic()
                 due = max(now + self.delay, due + len(chunk) / self.rate)
+                self.carried += len(chunk)
                 with self.cond:
                     self.queue.append((due, chunk))
                     self.cond.notify()
@@ -72,7 +74,12 @@ class ShapedProxy:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._open = True
+        self._upstream: list[_Pipe] = []  # client to server, one per connection, in accept order
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def bytes_sent(self) -> list[int]:
+        """Bytes each connection has sent towards the server so far, in the order they connected."""
+        return [pipe.carried for pipe in self._upstream]
 
     def _accept(self) -> None:
         while self._open:
@@ -83,7 +90,7 @@ class ShapedProxy:
             server = socket.create_connection(("127.0.0.1", self.target_port))
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _Pipe(client, server, self.delay, self.rate)
+            self._upstream.append(_Pipe(client, server, self.delay, self.rate))
             _Pipe(server, client, self.delay, self.rate)
 
     def close(self) -> None:
