@@ -111,11 +111,8 @@ class _EngineProcess:
             self.returncode = self._proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             return
         while True:
-            self._sock.settimeout(max(0.1, deadline - time.monotonic()))
-            try:
-                line = self._file.readline()
-            except TimeoutError:
-                raise TimeoutError from None
+            self._sock.settimeout(max(0.1, deadline - time.monotonic()))  # past it: TimeoutError
+            line = self._file.readline()
             if not line:
                 self.returncode = -1  # the supervisor died: no status
                 return
