@@ -1,7 +1,7 @@
 """Real vLLM engines for tests, each in its own process: ``run_engine(spec)``.
 
-An engine process runs ``tests/vllm_worker.py``'s ``main(spec)``. Importing vLLM costs about 18 s
-of CPU here, more than most engines then run, so by default the processes are forked from one
+An engine process runs ``tests/vllm_worker.py``'s ``main(spec)``. Importing vLLM costs more CPU
+than most test engines then run (docs/testing.md), so by default the processes are forked from one
 engine server (``vllm_worker.py --serve``) that has imported vLLM once per test session (its
 docstring says why that is sound). ``KVSTORE_TEST_ENGINE_SERVER=0`` starts a fresh interpreter
 per engine instead (slower; for telling a fork-related problem from others).

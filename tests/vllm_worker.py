@@ -154,7 +154,8 @@ def _step_by_hand(llm, action: dict, sampling_params) -> dict:
 
 # -- the engine server: vLLM imported once, one forked process per engine ----------------------------
 def serve(path: str) -> None:
-    """Import vLLM once (about 18 s of this machine's CPU) and then fork one process per engine.
+    """Import vLLM once (the most expensive part of a test engine's start) and then fork one
+    process per engine.
 
     A client connects to the Unix socket ``path`` and sends one line, ``{"spec": ..., "env":
     {...}}``. The server forks a supervisor, which forks the engine process and answers
@@ -171,7 +172,6 @@ def serve(path: str) -> None:
     import socket
 
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    import vllm  # noqa: F401
     import vllm_model  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
     from vllm.config import KVTransferConfig  # noqa: F401
@@ -226,7 +226,7 @@ _ENGINE_REQUEST: list[dict] = []  # set in an engine process forked by serve()
 
 def _run_forked(spec: dict) -> None:
     """``main(spec)`` in a forked engine process, then exit as the command line would, less the
-    interpreter's teardown of every module (3 s here, and nothing of an engine's contract): the
+    interpreter's teardown of every module (seconds, and nothing of an engine's contract): the
     atexit handlers run (vLLM's shutdown, the connector's final flush), then the process ends."""
     import atexit
     import threading

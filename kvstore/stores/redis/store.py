@@ -457,8 +457,8 @@ class _RedisStoreBase(Store):
         # One queue per sender, and each value to the sender with the fewest bytes so far. A
         # queue they all take from would split the bytes by who asks first: a send returns once
         # the value is in the kernel's buffers, long before a capped link has carried it, so
-        # one connection could take 5 of 16 values while another took 3 (on a 400 Mbit/s link
-        # per connection that was 107 ms for 16 MiB instead of 85).
+        # one connection could take most of a batch (benchmarks/results/datapath.md, "Writes
+        # split by bytes").
         queues: list[queue.Queue[list[Any] | None]] = [queue.Queue(maxsize=1) for _ in range(self._spread)]
         failed: list[BaseException] = []
 
