@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -89,7 +90,7 @@ def test_get_into_finishes_a_batch_whose_slots_moved_and_learns_their_homes(redi
 
         rerouted = []
         learn = store._rerouted
-        store._rerouted = lambda: (rerouted.append(1), learn())[1]
+        store._rerouted = lambda client: (rerouted.append(1), learn(client))[1]
         leases = list(store.get_into(keys, BufferPool(16 << 20)))
         assert [bytes(x.view) for x in leases] == [k.encode() for k in keys]
         assert rerouted == [1]  # the direct read was told MOVED, and the pipeline finished the batch
@@ -98,13 +99,47 @@ def test_get_into_finishes_a_batch_whose_slots_moved_and_learns_their_homes(redi
         assert manager.slots_cache[slot][0].name == home.name  # relearned for the next batch
 
 
+def test_put_many_writes_every_node_at_once_over_direct_sockets(redis_cluster):
+    redis_cluster.flushall()
+    keys = [f"kvs1/dw/{i:04x}" for i in range(12)]
+    values = {k: os.urandom(100_000 + i) for i, k in enumerate(keys)}
+    with open_store(redis_cluster.url) as store:
+        store._put_pipelined = lambda items: pytest.fail(f"pipelined: {list(items)}")
+        store.put_many(iter(values.items()))  # a generator, as PrefixCache.save passes
+    for port in redis_cluster.ports:
+        with redis.Redis(port=port) as node:
+            assert node.dbsize() > 0  # the batch's keys live on all three primaries
+    with redis.RedisCluster(host="127.0.0.1", port=redis_cluster.ports[0]) as client:
+        assert [client.get(k) for k in keys] == list(values.values())
+
+
+def test_put_many_resends_a_value_whose_slot_moved_and_learns_its_home(redis_cluster):
+    redis_cluster.flushall()
+    keys = [f"kvs1/wm/{i:04x}" for i in range(9)]
+    with open_store(redis_cluster.url) as store:
+        store.put("warm", b"up")  # the write client knows the slots
+        client = store._redis_writes
+        manager = client.nodes_manager
+        slot = client.keyslot(keys[4])
+        home = manager.slots_cache[slot][0]
+        elsewhere = next(n for n in client.get_primaries() if n.name != home.name)
+        manager.slots_cache[slot] = [elsewhere]  # the client believes the slot moved: the node says MOVED
+        rerouted = []
+        learn = store._rerouted
+        store._rerouted = lambda client: (rerouted.append(1), learn(client))[1]
+        store.put_many([(k, k.encode()) for k in keys])
+        assert rerouted == [1]  # told MOVED once, and the pipeline resent the value
+        assert manager.slots_cache[slot][0].name == home.name
+        assert [bytes(v) for v in store.get_many(keys)] == [k.encode() for k in keys]
+
+
 # A frozen node (SIGSTOP: its socket accepts, nothing answers) must cost a batch one deadline,
 # not one per key it holds. These are the only wall-clock bounds in the suite's fault tests, so
 # they are made hard to miss by accident: the clients and their connections to every node are up
 # before the freeze (a cold client adds work that a starved CPU stretches, as under `make test`
 # beside the vLLM run), and the batch puts about ten keys on the frozen node, so that a deadline
 # per key would cost ~2 s against a bound of 1.5 s, while one deadline is 0.2 s.
-DEADLINE_OPTIONS = "?timeout=200ms&connect_timeout=200ms"  # retries (default 1) follow connection errors only
+DEADLINE_OPTIONS = "?timeout=200ms&write_timeout=200ms&connect_timeout=200ms"  # retries (default 1) follow connection errors only
 FROZEN_BOUND = 1.5  # seconds: one 0.2 s deadline plus room for a starved CPU
 
 
@@ -154,3 +189,24 @@ def test_a_frozen_node_costs_a_pipelined_batch_one_short_deadline(redis_cluster)
         finally:
             thaw(pid)
         assert store.get_many(keys) == [b"v"] * len(keys)
+
+
+def test_a_frozen_node_costs_a_write_batch_one_short_deadline(redis_cluster):
+    from kvstore.errors import StoreUnavailableError
+
+    redis_cluster.flushall()
+    keys = [f"kvs1/fw/{i:04x}" for i in range(30)]
+    value = b"w" * 100_000
+    with open_store(redis_cluster.url + DEADLINE_OPTIONS) as store:
+        store.put_many([(k, value) for k in keys])  # the write client and a connection to every node are up
+        pid = redis_cluster.nodes[0]._proc.proc.pid
+        freeze(pid)
+        try:
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailableError):
+                store.put_many([(k, b"x" * 100_000) for k in keys])
+            assert time.monotonic() - start < FROZEN_BOUND
+        finally:
+            thaw(pid)
+        store.put_many([(k, value) for k in keys])
+        assert [bytes(v) for v in store.get_many(keys)] == [value] * len(keys)

@@ -253,6 +253,35 @@ class StoreTests(ABC):
         for key in list(written)[::10]:
             assert self.bypass_get(store, key) == written[key]
 
+    def test_concurrent_write_batches_all_land(self, store: Store) -> None:
+        # Batches from several threads at once: a store that spreads a batch over threads of its
+        # own must never leave one batch waiting on a thread another batch holds.
+        errors: list[BaseException] = []
+
+        def batch(t: int, b: int) -> list[tuple[str, bytes]]:
+            return [(f"kvs1/test/cb{t}-{b}-{i}", bytes([t, b, i]) * 20_000) for i in range(8)]
+
+        def work(t: int) -> None:
+            try:
+                for b in range(6):
+                    store.put_many(batch(t, b))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads), "write batches stopped making progress"
+        assert not errors, errors
+        store.flush(10)
+        for t in range(6):
+            for b in range(6):
+                items = batch(t, b)
+                got = store.get_many([k for k, _ in items])
+                assert [None if v is None else bytes(v) for v in got] == [v for _, v in items], (t, b)
+
     def test_describe_is_json(self, store: Store) -> None:
         import json
 

@@ -29,6 +29,7 @@ frozen server costs at most ``deadline`` = ``connect_timeout + timeout``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -96,6 +97,19 @@ class _Slot:
         self.error: BaseException | None = None
 
 
+class _Sender:
+    """One connection's share of a streamed write batch: its queue of ``(item, packed command)``
+    (None ends it), the bytes given to it so far, and whether it has finished."""
+
+    __slots__ = ("done", "loaded", "pool", "work")
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.work: queue.Queue[tuple[tuple[str, WriteValue], list[Any]] | None] = queue.Queue(maxsize=1)
+        self.loaded = 0
+        self.done = threading.Event()
+
+
 class _RedisStoreBase(Store):
     """Every Redis operation, over whichever redis-py client ``_make_client`` returns."""
 
@@ -114,6 +128,7 @@ class _RedisStoreBase(Store):
         self._spread = min(config.connections, config.max_connections)
         self._reply_size = 0  # the largest value of the last get_into: the next one's first wave
         self._executors: dict[bool, ThreadPoolExecutor] = {}  # reads' and writes' threads (writes=True)
+        self._streaming = threading.Lock()  # held by the one write batch whose senders run
 
     @classmethod
     def from_url(cls, url: str) -> _RedisStoreBase:
@@ -132,6 +147,14 @@ class _RedisStoreBase(Store):
         """The pool (of the read or the write client) whose connections can serve any key, for
         direct I/O; None in a cluster."""
         return None
+
+    def _write_threads(self) -> int:
+        """Sender threads a write batch may need at once (``put_many``)."""
+        return self._spread
+
+    def _rerouted(self, client: Any) -> None:
+        """Learn where keys live after a server redirected one (a cluster's moved slot):
+        ``client`` is the redis-py client or pipeline that was told."""
 
     def _direct_reads(self, keys: Sequence[str]) -> list[tuple[Any, list[int]]] | None:
         """Where direct reads of ``keys`` go: ``(connection pool, indices of the keys it
@@ -235,7 +258,7 @@ class _RedisStoreBase(Store):
                 executor = self._executors.get(writes)
                 if executor is None:
                     executor = self._executors[writes] = ThreadPoolExecutor(
-                        self._spread + (0 if writes else self._READ_THREADS),
+                        self._write_threads() if writes else self._spread + self._READ_THREADS,
                         thread_name_prefix=f"kvstore-redis-{'w' if writes else 'r'}")
         return executor
 
@@ -422,23 +445,42 @@ class _RedisStoreBase(Store):
                     slot.done.set()
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
-        """SETs, pipelined. On a single server ``items`` is consumed lazily: each value is sent by
-        one of ``connections`` sender threads as soon as the iterable produces it, so a caller
-        that encodes value i+1 in its generator does so while value i is on the wire. Each value
-        goes to the sender with the fewest bytes so far, so the batch's bytes split evenly over
-        the connections (as a read's keys do). Writes use the write client's connections and
-        threads."""
-        pool = self._direct_pool(writes=True)
-        if pool is None:
-            px = self._px
-            self._pipeline((("set", (self._key(k), v if isinstance(v, Pieces) else hooks.wire(v)), {"px": px})
-                            for k, v in items), writes=True)
-            return
+        """SETs over direct sockets (a cluster's go to each key's node). ``items`` is consumed
+        lazily: each value is sent by one of the sender threads as soon as the iterable produces
+        it, so a caller that encodes value i+1 in its generator does so while value i is on the
+        wire. A single server's batch is spread over ``connections`` connections, a cluster's
+        over every node it touches at once (``connections`` shared out over the nodes, at least
+        one each), and each value goes to the sender of its server with the fewest bytes so far,
+        so the bytes split evenly (as a read's keys do). A value a cluster node redirects (its
+        slot moved) is sent again through the client's pipeline, which follows the redirection.
+        Writes use the write client's connections and threads; one batch at a time streams."""
         it = iter(items)
         head = [item for item in (next(it, None), next(it, None)) if item is not None]
+        if not head:
+            return
         with self._errors():
-            if len(head) < 2 or self._spread == 1 or not self._send_streamed(pool, head, it):
-                self._send_here(pool, [*head, *it])
+            routes = self._write_routes()
+            one = self._direct_pool(writes=True)
+            if routes is not None and len(head) == 2 and (self._spread > 1 or one is None):
+                with self._streaming:  # one batch's senders at a time: they need every thread at once
+                    self._send_streamed(routes, itertools.chain(head, it))
+            elif one is not None:
+                self._send_here(one, [*head, *it])
+            else:
+                self._put_pipelined([*head, *it])
+
+    def _write_routes(self) -> tuple[Callable[[str], Any], int] | None:
+        """Where direct writes go: a function from a key to the write client's connection pool
+        of its server (None where it cannot tell now), and how many servers there are; None
+        where only the client's pipeline can write."""
+        pool = self._direct_pool(writes=True)
+        return None if pool is None else ((lambda _key: pool), 1)
+
+    def _put_pipelined(self, items: Iterable[tuple[str, WriteValue]]) -> None:
+        """SETs through the write client's pipeline (a cluster's follows redirections)."""
+        px = self._px
+        self._pipeline((("set", (self._key(k), v if isinstance(v, Pieces) else hooks.wire(v)), {"px": px})
+                        for k, v in items), writes=True)
 
     def _send_here(self, pool: Any, batch: list[tuple[str, WriteValue]]) -> None:
         """SETs of ``batch`` from this thread, on one connection."""
@@ -449,77 +491,113 @@ class _RedisStoreBase(Store):
         if batch:
             self._exchange(pool, [self._set_command(*item) for item in batch], on_reply)
 
-    def _send_streamed(self, pool: Any, head: list[tuple[str, WriteValue]],
-                       rest: Iterator[tuple[str, WriteValue]]) -> bool:
-        """SETs of ``head`` then ``rest``, by sender threads; False (nothing sent) when no thread
-        could be started: at interpreter exit executors refuse work before ``atexit`` hooks run,
-        and the last background writes must still go out (from the caller's thread)."""
-        # One queue per sender, and each value to the sender with the fewest bytes so far. A
-        # queue they all take from would split the bytes by who asks first: a send returns once
-        # the value is in the kernel's buffers, long before a capped link has carried it, so
-        # one connection could take most of a batch (benchmarks/results/datapath.md, "Writes
-        # split by bytes").
-        queues: list[queue.Queue[list[Any] | None]] = [queue.Queue(maxsize=1) for _ in range(self._spread)]
+    def _send_streamed(self, routes: tuple[Callable[[str], Any], int], items: Iterator[tuple[str, WriteValue]]) -> None:
+        """SETs of ``items`` by sender threads, each value queued as soon as ``items`` yields it
+        (``put_many``). Values whose server has no sender (no route now, or no thread could be
+        started: at interpreter exit executors refuse work before ``atexit`` hooks run, and the
+        last background writes must still go out) and values a node redirected go through the
+        client's pipeline from this thread afterwards. The caller holds ``_streaming``: a batch
+        whose senders could not all run at once would wait forever on one that never starts."""
+        route, servers = routes
+        per_server = max(1, self._spread // servers)
+        senders: dict[int, list[_Sender]] = {}  # by id() of their server's pool
+        redirected: list[tuple[str, WriteValue]] = []  # told MOVED or ASK
+        here: list[tuple[str, WriteValue]] = []  # no sender: from this thread
         failed: list[BaseException] = []
+        try:
+            for item in items:
+                if failed:
+                    break  # the batch fails anyway: stop encoding it
+                pool = route(item[0])
+                group = None if pool is None else senders.get(id(pool))
+                if group is None and pool is not None:
+                    group = senders[id(pool)] = self._start_senders(pool, per_server, redirected, failed)
+                if not group:
+                    here.append(item)
+                    continue
+                least = min(group, key=lambda s: s.loaded)
+                packed = self._set_command(*item)
+                least.loaded += sum(len(part) for part in packed)
+                least.work.put((item, packed))
+        finally:
+            every = [sender for group in senders.values() for sender in group]
+            for sender in every:
+                sender.work.put(None)
+            for sender in every:
+                sender.done.wait()
+        if failed:
+            raise _as_redis_error(failed[0])
+        if redirected:
+            self._rerouted(self._redis_writes)
+        if redirected or here:
+            self._put_pipelined([*redirected, *here])
 
-        def sender(work: queue.Queue[list[Any] | None]) -> None:
-            commands: list[list[Any]] = []
-            done = False  # every command taken from the queue (our end marker seen)
+    def _start_senders(self, pool: Any, n: int, redirected: list[tuple[str, WriteValue]],
+                       failed: list[BaseException]) -> list[_Sender]:
+        """Up to ``n`` senders on ``pool``'s connections, running; fewer (maybe none) if the
+        executor refuses work."""
+        executor = self._threads(writes=True)
+        started: list[_Sender] = []
+        for _ in range(n):
+            sender = _Sender(pool)
+            try:
+                executor.submit(self._sender, sender, redirected, failed)
+            except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+                break
+            started.append(sender)
+        return started
+
+    def _sender(self, sender: _Sender, redirected: list[tuple[str, WriteValue]],
+                failed: list[BaseException]) -> None:
+        """One connection's share of a streamed write batch: sends each command as it is queued,
+        then reads the replies. A connection error retries on a fresh connection, resending what
+        the failed one had (a SET may land twice, to the same effect); a timeout never retries. A failure stops
+        the batch (``failed``), and the sender keeps draining its queue so that the producer
+        never blocks on it."""
+        pool, work = sender.pool, sender.work
+        sent: list[tuple[tuple[str, WriteValue], list[Any]]] = []
+        done = False  # every command taken from the queue (our end marker seen)
+        try:
             for attempt in range(self.config.retries + 1):
                 conn = None
                 try:
                     conn = pool.get_connection()
                     sock = hooks.raw_socket(conn)
-                    for packed in commands:  # a retry resends what the failed connection had
+                    for _, packed in sent:  # a retry resends what the failed connection had
                         hooks.send_all(sock, packed)
                     while not done:
                         taken = work.get()
                         if taken is None:
                             done = True
                         elif not failed:
-                            commands.append(taken)
-                            hooks.send_all(sock, taken)
+                            sent.append(taken)
+                            hooks.send_all(sock, taken[1])
                     reader = hooks.DirectReplies(sock)
-                    for _ in commands:
-                        reader.status()
+                    moved = []
+                    for item, _ in sent:
+                        try:
+                            reader.status()
+                        except redis.exceptions.ResponseError as exc:
+                            if not _redirected(exc):
+                                raise
+                            moved.append(item)
+                    redirected.extend(moved)
                     return
-                except BaseException as exc:  # noqa: BLE001 - handed to the producer below
+                except BaseException as exc:  # noqa: BLE001 - handed to the producer through ``failed``
                     if conn is not None:
                         conn.disconnect()
                     retry = (isinstance(exc, _NETWORK_ERRORS) and not isinstance(exc, _TIMEOUTS)
                              and attempt < self.config.retries and not failed)
                     if not retry:
                         failed.append(exc)
-                        while not done:  # keep draining: the producer must never block on a dead sender
+                        while not done:
                             done = work.get() is None
                         return
                 finally:
                     if conn is not None:
                         pool.release(conn)
-
-        senders = []
-        executor = self._threads(writes=True)
-        try:
-            for work in queues:
-                senders.append(executor.submit(sender, work))
-        except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
-            if not senders:
-                return False
-        loads = [0] * len(senders)
-        try:
-            for item in (*head, *rest):
-                packed = self._set_command(*item)
-                least = loads.index(min(loads))
-                loads[least] += sum(len(part) for part in packed)
-                queues[least].put(packed)
         finally:
-            for work in queues[:len(senders)]:
-                work.put(None)
-            for fut in senders:
-                fut.result()
-        if failed:
-            raise _as_redis_error(failed[0])
-        return True
+            sender.done.set()
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._pipeline(("exists", (self._key(k),), {}) for k in keys)]
@@ -623,6 +701,23 @@ class RedisClusterStore(_RedisStoreBase):
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
             return None  # e.g. a slot not covered now: the pipeline says what is wrong
 
+    def _write_threads(self) -> int:
+        return MAX_SPREAD  # at least one sender per node a batch touches
+
+    def _write_routes(self) -> tuple[Callable[[str], Any], int] | None:
+        client = self._redis_writes
+        primaries = len(client.get_primaries())
+        if not 0 < primaries <= MAX_SPREAD:
+            return None  # more nodes than one batch writes at once: the pipeline visits them
+
+        def route(key: str) -> Any:
+            try:
+                return client.get_redis_connection(client.get_node_from_key(self._key(key))).connection_pool
+            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
+                return None  # e.g. a slot not covered now: the pipeline says what is wrong
+
+        return route, primaries
+
     def _execute(self, pipe: Any) -> list[Any]:
         """The pipeline's replies, a failed command raising. A timeout ends the batch: one
         deadline. (redis-py's own ``execute`` would then resend every command that failed one by
@@ -633,7 +728,7 @@ class RedisClusterStore(_RedisStoreBase):
         try:
             replies: list[Any] = pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
             if any(isinstance(r, (redis.exceptions.MovedError, redis.exceptions.AskError)) for r in replies):
-                self._rerouted()
+                self._rerouted(pipe)
                 replies = pipe.send_cluster_commands(stack, raise_on_error=False)
         finally:
             pipe.reset()
@@ -642,11 +737,11 @@ class RedisClusterStore(_RedisStoreBase):
                 raise reply
         return replies
 
-    def _rerouted(self) -> None:
+    def _rerouted(self, client: Any) -> None:
         """Learn the slots' new homes (best effort: the batch that was told MOVED then follows
         the redirections itself)."""
         try:
-            self._redis.nodes_manager.initialize()
+            client.nodes_manager.initialize()
         except Exception as exc:  # noqa: BLE001 - an outage shows in the next call, not here
             log.debug("refreshing the cluster's slots failed: %s", exc)
 
