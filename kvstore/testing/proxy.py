@@ -77,6 +77,10 @@ class ShapedProxy:
         self._upstream: list[_Pipe] = []  # client to server, one per connection, in accept order
         threading.Thread(target=self._accept, daemon=True).start()
 
+    def shape(self, *, delay: float, rate: float) -> None:
+        """Shape connections accepted from now on with ``delay`` and ``rate`` (open ones keep theirs)."""
+        self.delay, self.rate = delay, rate
+
     def bytes_sent(self) -> list[int]:
         """Bytes each connection has sent towards the server so far, in the order they connected."""
         return [pipe.carried for pipe in self._upstream]

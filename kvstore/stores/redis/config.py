@@ -57,7 +57,8 @@ class RedisConfig:
     prefix: str = option("", help="Prepended to every key (several caches in one database).")
     max_connections: int = option(16, help="Connection pool size (per node in a cluster), for reads and for writes each.")
     connections: int = option(4, help="Connections a batch of large values is spread over, each read or written by "
-                                      "its own thread (1 to 64; capped at max_connections).")
+                                      "its own thread (1 to 64; capped at max_connections). A cluster shares them out "
+                                      "over the nodes a batch touches, at least one each, all nodes at once.")
     timeout: float = option(
         0.25, kind="duration", help="Deadline of each socket read or write of a read, lookup or delete (the engine's "
         "critical path). A frozen server costs one call at most connect_timeout + timeout; the circuit breaker then "

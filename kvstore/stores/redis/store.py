@@ -8,10 +8,11 @@ one round trip per node involved. Keys are spread over slots by their own hash (
 
 Large values go out without being copied (a record's header and payload are sent as separate
 pieces) and GET replies are received straight into buffers of their final size: leased pool
-buffers for ``get_into`` (``hooks``: the parts of redis-py this relies on). On a single server,
-a batch of large values is spread over ``connections`` connections, each sent and read by its
-own thread with the GIL released in the socket calls, and ``get_into`` yields value i while
-values after it are still arriving. GETs go out in waves under one budget per batch (about
+buffers for ``get_into`` (``hooks``: the parts of redis-py this relies on). A batch of large
+values is spread over ``connections`` connections (a cluster's over every node it touches at
+once, the connections shared out over them), each sent and read by its own thread with the GIL
+released in the socket calls; ``get_into`` yields value i while values after it are still
+arriving, and ``put_many`` sends value i while its caller produces value i+1. GETs go out in waves under one budget per batch (about
 64 MiB of replies requested ahead, whatever the number of connections: ``waves.py``), so the
 server never builds a whole batch of large replies before sending the first.
 
