@@ -565,3 +565,41 @@ def test_the_scheduler_learns_the_workers_measurements_and_recomputes_through_a_
                                                       invalid_block_ids=set()))
     assert ask(sched, fake_request("r3", tokens), 0) == (288, True)
     store.close()
+
+
+def test_a_lookup_past_its_deadline_or_failing_is_a_counted_miss():
+    from kvstore.errors import StoreUnavailableError
+    from kvstore.metrics.catalog import LOOKUP_FAILURES
+
+    release = threading.Event()
+
+    class Stuck(MemoryStore):
+        """Its lookups answer only once released; or fail."""
+        fail = False
+
+        def longest_prefix(self, keys):
+            if self.fail:
+                raise StoreUnavailableError("down")
+            release.wait(10)
+            return super().longest_prefix(keys)
+
+    store = Stuck()
+    now = [0.0]
+    opts = parse_options({"store": "memory://", "chunk_tokens": 64, "lookup_wait": "0s", "lookup_timeout": "500ms"})
+    sched = SchedulerSide(store, facts(), opts, loads=True, saves=True, block_ids=lambda _: [], clock=lambda: now[0])
+    try:
+        before = {r: LOOKUP_FAILURES.value(reason=r) for r in ("timeout", "error")}
+        req = fake_request("slow", list(range(300)))
+        assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # ask again next step
+        now[0] = 0.6  # past lookup_timeout, still unanswered
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert LOOKUP_FAILURES.value(reason="timeout") - before["timeout"] == 1
+        release.set()
+        store.fail = True
+        assert ask(sched, fake_request("down", list(range(300))), 0) == (0, False)
+        assert LOOKUP_FAILURES.value(reason="error") - before["error"] == 1
+        assert LOOKUP_FAILURES.value(reason="timeout") - before["timeout"] == 1
+    finally:
+        release.set()
+        sched.close()
+

@@ -13,6 +13,7 @@ __all__ = [
     "LOOKUPS",
     "LOOKUP_HIT_TOKENS",
     "LOOKUP_TOKENS",
+    "LOOKUP_FAILURES",
     "HITS",
     "MISSES",
     "TOKENS_LOADED",
@@ -41,6 +42,9 @@ __all__ = [
 LOOKUPS = REGISTRY.counter("kvstore_lookups_total", "Prefix lookups.")
 LOOKUP_HIT_TOKENS = REGISTRY.counter("kvstore_lookup_hit_tokens_total", "Tokens found stored by lookups.")
 LOOKUP_TOKENS = REGISTRY.counter("kvstore_lookup_tokens_total", "Tokens asked for by lookups.")
+LOOKUP_FAILURES = REGISTRY.counter("kvstore_lookup_failures_total",
+                                   "Lookups answered as misses without an answer from the store, by reason.",
+                                   ("reason",))
 HITS = REGISTRY.counter("kvstore_hits_total", "Chunks loaded and verified.")
 MISSES = REGISTRY.counter("kvstore_misses_total", "Chunks looked up but not loaded.")
 TOKENS_LOADED = REGISTRY.counter("kvstore_tokens_loaded_total", "Tokens whose KV was loaded into an engine.")

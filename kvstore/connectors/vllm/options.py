@@ -91,7 +91,8 @@ class VLLMConnectorOptions:
         "without the connector; a slower answer delays it by a step, which changes batching).")
     lookup_timeout: float = option(
         0.5, kind="duration",
-        help="A lookup not answered within this is a miss (a slow or frozen tier never holds a request longer).")
+        help="A lookup not answered within this is a miss (a slow or frozen tier never holds a request longer), "
+             "counted in kvstore_lookup_failures_total{reason=\"timeout\"}.")
     pool_bytes: int = option(
         1 << 30, kind="size",
         help="Size of the process's buffer pool that records are gathered into and received into "

@@ -41,7 +41,7 @@ from kvstore.connectors.vllm.stats import Measurements
 from kvstore.cost import CostModel
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, TokenIds
-from kvstore.metrics.catalog import LATENCY, LOOKUP_HIT_TOKENS, LOOKUP_TOKENS, LOOKUPS
+from kvstore.metrics.catalog import LATENCY, LOOKUP_FAILURES, LOOKUP_HIT_TOKENS, LOOKUP_TOKENS, LOOKUPS
 from kvstore.prefix_cache import PrefixCache
 from kvstore.stores import Store, TieredStore
 from kvstore.stores.tiered.speed import LinkSpeed
@@ -154,6 +154,7 @@ class SchedulerSide:
                     break
         except KVStoreError as exc:  # a bare store's outage: a miss
             log.debug("lookup failed: %s", exc)
+            LOOKUP_FAILURES.inc(reason="error")
             per_tier = None
         LATENCY.observe(time.perf_counter() - start, op="lookup")
         LOOKUP_TOKENS.inc(limit)
@@ -204,9 +205,14 @@ class SchedulerSide:
             if self._clock() - job.started < self.opts.lookup_timeout:
                 return None, False  # ask again next step; other requests go on meanwhile
             log.debug("KVStoreConnector: lookup of %s not answered in %gs: a miss", req_id, self.opts.lookup_timeout)
+            LOOKUP_FAILURES.inc(reason="timeout")
+            answer = _Answer()
+        elif job.future.exception() is not None:  # a bug, not an outage (``_lookup`` answers those)
+            log.warning("KVStoreConnector: lookup of %s failed: a miss", req_id, exc_info=job.future.exception())
+            LOOKUP_FAILURES.inc(reason="error")
             answer = _Answer()
         else:
-            answer = job.future.result() if job.future.exception() is None else _Answer()
+            answer = job.future.result()
         self._local_hit[req_id] = num_computed_tokens
         if answer.everywhere:
             self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), answer.everywhere)
