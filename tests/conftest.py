@@ -5,7 +5,8 @@ Session-wide servers, shared by every test that asks for them (tests clean up wi
 
 * ``redis_server`` — a ``redis-server`` (``.url``, ``.unix_url``, ``.port``, ``.stop()``,
   ``.start()``, ``.restart()``, ``.flushall()``, ``.client()``).
-* ``redis_cluster`` — three primaries (``.url`` is ``redis+cluster://127.0.0.1:PORT``).
+* ``redis_cluster`` — three primaries (``.url`` is ``redis+cluster://127.0.0.1:PORT``);
+  ``valkey_cluster`` the same of ``valkey-server``.
 * ``s3_server`` — ``rclone serve s3`` with one bucket (``.url``, ``.url_for(prefix, **options)``,
   ``.endpoint_url``, ``.bucket``, ``.client()``, ``.clear()``, ``.stop()``, ``.start()``).
   boto3 finds its credentials through the standard chain: this fixture puts them in the
@@ -17,7 +18,8 @@ and ``s3_server_factory()`` each start a new server, torn down at the end of the
 Valkey: ``valkey_server_factory`` / ``valkey_server`` start ``valkey-server`` the same way (same
 flags, same ``RedisServer`` API). ``any_redis_factory`` is parametrized over both programs:
 modules that want every test on both override ``redis_server`` / ``redis_server_factory`` with
-it (test_store_redis.py, test_faults.py).
+it (test_store_redis.py, test_faults.py); ``any_redis_cluster`` does the same for clusters
+(test_store_cluster.py).
 
 A missing binary skips these tests on a developer machine and FAILS them when ``CI`` is set.
 """
@@ -112,12 +114,35 @@ def any_redis_factory(request: pytest.FixtureRequest) -> Callable[..., servers.R
 
 
 @pytest.fixture(scope="session")
-def redis_cluster() -> Iterator[servers.RedisCluster]:
+def redis_program_cluster() -> Iterator[servers.RedisCluster]:
     servers.require_binary("redis-server", _REDIS_HINT)
     servers.require_binary("redis-cli", _REDIS_HINT)
     cluster = servers.RedisCluster(masters=3)
     yield cluster
     cluster.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(redis_program_cluster: servers.RedisCluster) -> servers.RedisCluster:
+    """``redis_program_cluster`` under the name tests use (modules may override it: Valkey)."""
+    return redis_program_cluster
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[servers.RedisCluster]:
+    servers.require_binary("valkey-server", _VALKEY_HINT)
+    servers.require_binary("redis-cli", _REDIS_HINT)
+    cluster = servers.RedisCluster(masters=3, flavor="valkey")
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="session", params=sorted(servers.REDIS_FLAVORS))
+def any_redis_cluster(request: pytest.FixtureRequest) -> servers.RedisCluster:
+    """``redis_cluster`` and then ``valkey_cluster``: a test runs once per program."""
+    name = "redis_program_cluster" if request.param == "redis" else "valkey_cluster"
+    cluster: servers.RedisCluster = request.getfixturevalue(name)
+    return cluster
 
 
 @pytest.fixture(scope="session")

@@ -237,16 +237,18 @@ class RedisServer:
 
 
 class RedisCluster:
-    """Three cluster-enabled ``redis-server`` primaries joined by ``redis-cli --cluster create``."""
+    """Three cluster-enabled ``redis-server`` primaries (``flavor="valkey"``: ``valkey-server``)
+    joined by ``redis-cli --cluster create``."""
 
-    def __init__(self, masters: int = 3) -> None:
+    def __init__(self, masters: int = 3, flavor: str = "redis") -> None:
         cli = find_binary("redis-cli")
         if cli is None:
             raise MissingBinary("redis-cli")
+        self.flavor = flavor
         self.nodes: list[RedisServer] = []
         try:
             for _ in range(masters):
-                self.nodes.append(RedisServer(cluster=True))
+                self.nodes.append(RedisServer(cluster=True, flavor=flavor))
             subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
                             "--cluster-replicas", "0", "--cluster-yes"],
                            check=True, capture_output=True, timeout=60)

@@ -1,4 +1,4 @@
-"""RedisClusterStore against a real three-primary Redis Cluster."""
+"""RedisClusterStore against a real three-primary cluster, of redis-server and of valkey-server."""
 
 from __future__ import annotations
 
@@ -14,6 +14,12 @@ from kvstore.stores.redis import RedisClusterStore
 from kvstore.testing.store_tests import StoreTests
 
 
+@pytest.fixture(scope="module")
+def redis_cluster(any_redis_cluster):
+    """This module's clusters: of redis-server, then of valkey-server (conftest.any_redis_cluster)."""
+    return any_redis_cluster
+
+
 class TestRedisClusterStore(StoreTests):
     @pytest.fixture
     def store(self, redis_cluster):
@@ -27,6 +33,12 @@ class TestRedisClusterStore(StoreTests):
 
     def bypass_put(self, store, key, value):
         store._redis.set("c/" + key, value)
+
+
+def test_the_cluster_runs_the_program_it_is_named_for(redis_cluster):
+    for node in redis_cluster.nodes:
+        with node.client() as client:
+            assert ("valkey_version" in client.info("server")) == (redis_cluster.flavor == "valkey")
 
 
 def test_keys_spread_over_every_node_and_batches_work_across_slots(redis_cluster):
