@@ -12,9 +12,10 @@ buffers for ``get_into`` (``hooks``: the parts of redis-py this relies on). A ba
 values is spread over ``connections`` connections (a cluster's over every node it touches at
 once, the connections shared out over them), each sent and read by its own thread with the GIL
 released in the socket calls; ``get_into`` yields value i while values after it are still
-arriving, and ``put_many`` sends value i while its caller produces value i+1. GETs go out in waves under one budget per batch (about
-64 MiB of replies requested ahead, whatever the number of connections: ``waves.py``), so the
-server never builds a whole batch of large replies before sending the first.
+arriving, and ``put_many`` sends value i while its caller produces value i+1. GETs go out in
+waves under one budget per batch (about 64 MiB of replies requested ahead, whatever the number
+of connections: ``waves.py``), so the server never builds a whole batch of large replies before
+sending the first.
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
 ``StoreUnavailableError`` raised from it (``StoreTimeoutError`` when a deadline expired); a
@@ -492,7 +493,8 @@ class _RedisStoreBase(Store):
         if batch:
             self._exchange(pool, [self._set_command(*item) for item in batch], on_reply)
 
-    def _send_streamed(self, routes: tuple[Callable[[str], Any], int], items: Iterator[tuple[str, WriteValue]]) -> None:
+    def _send_streamed(self, routes: tuple[Callable[[str], Any], int],
+                       items: Iterator[tuple[str, WriteValue]]) -> None:
         """SETs of ``items`` by sender threads, each value queued as soon as ``items`` yields it
         (``put_many``). Values whose server has no sender (no route now, or no thread could be
         started: at interpreter exit executors refuse work before ``atexit`` hooks run, and the
@@ -516,6 +518,10 @@ class _RedisStoreBase(Store):
                 if not group:
                     here.append(item)
                     continue
+                # Each value to its server's sender with the fewest bytes so far. Senders taking
+                # values as they ask would split the bytes by who asks first: a send returns once
+                # the value is in the kernel's buffers, long before a capped link has carried
+                # it (benchmarks/results/datapath.md, "Writes split by bytes").
                 least = min(group, key=lambda s: s.loaded)
                 packed = self._set_command(*item)
                 least.loaded += sum(len(part) for part in packed)
@@ -551,10 +557,10 @@ class _RedisStoreBase(Store):
     def _sender(self, sender: _Sender, redirected: list[tuple[str, WriteValue]],
                 failed: list[BaseException]) -> None:
         """One connection's share of a streamed write batch: sends each command as it is queued,
-        then reads the replies. A connection error retries on a fresh connection, resending what
-        the failed one had (a SET may land twice, to the same effect); a timeout never retries. A failure stops
-        the batch (``failed``), and the sender keeps draining its queue so that the producer
-        never blocks on it."""
+        then reads the replies; a value its node redirected goes to ``redirected``. A connection
+        error retries on a fresh connection, resending what the failed one had (a SET may land
+        twice, to the same effect); a timeout never retries. A failure stops the batch
+        (``failed``)."""
         pool, work = sender.pool, sender.work
         sent: list[tuple[tuple[str, WriteValue], list[Any]]] = []
         done = False  # every command taken from the queue (our end marker seen)
@@ -591,7 +597,7 @@ class _RedisStoreBase(Store):
                              and attempt < self.config.retries and not failed)
                     if not retry:
                         failed.append(exc)
-                        while not done:
+                        while not done:  # keep draining: the producer must never block on a dead sender
                             done = work.get() is None
                         return
                 finally:
