@@ -106,7 +106,7 @@ class Tier:
         ERRORS.inc(tier=self.name, kind=kind)
         if kind == "error":
             log.debug("kvstore tier %s: %s failed", self.name, op, exc_info=True)
-        self.breaker.failure(f"{type(exc).__name__}: {exc}", trip=isinstance(exc, StoreTimeoutError))
+        self.breaker.failure(f"{op}: {type(exc).__name__}: {exc}", trip=isinstance(exc, StoreTimeoutError))
         self._start_prober()
 
     def _guarded(self, op: str, fn: Callable[[], T], default: T) -> T:
@@ -146,7 +146,7 @@ class Tier:
             except Exception as exc:
                 log.debug("kvstore tier %s: probe failed", self.name, exc_info=True)
                 ERRORS.inc(tier=self.name, kind="unavailable" if isinstance(exc, StoreUnavailableError) else "error")
-                self.breaker.failure(f"{type(exc).__name__}: {exc}")
+                self.breaker.failure(f"probe: {type(exc).__name__}: {exc}")
             else:
                 self.breaker.success()
 
