@@ -87,22 +87,27 @@ def test_get_into_reads_every_node_at_once_into_pool_leases(redis_cluster):
         assert stats["leases"] == len(keys) and stats["misses"] == 0 and stats["leased_bytes"] == 0
 
 
+def _misroute(store, client, key):
+    """Make ``client`` believe ``key``'s slot moved to another node (which answers MOVED), and
+    record each ``store._rerouted`` call; returns (slot map, slot, its real home, the calls)."""
+    manager = client.nodes_manager
+    slot = client.keyslot(key)
+    home = manager.slots_cache[slot][0]
+    manager.slots_cache[slot] = [next(n for n in client.get_primaries() if n.name != home.name)]
+    rerouted = []
+    learn = store._rerouted
+    store._rerouted = lambda told: (rerouted.append(1), learn(told))[1]
+    return manager, slot, home, rerouted
+
+
 def test_get_into_finishes_a_batch_whose_slots_moved_and_learns_their_homes(redis_cluster):
     redis_cluster.flushall()
     keys = [f"kvs1/mv/{i:04x}" for i in range(9)]
     with open_store(redis_cluster.url) as store:
         store.put_many([(k, k.encode()) for k in keys])
-        client = store._redis
-        manager = client.nodes_manager
-        slot = client.keyslot(keys[4])
-        home = manager.slots_cache[slot][0]
-        elsewhere = next(n for n in client.get_primaries() if n.name != home.name)
-        manager.slots_cache[slot] = [elsewhere]  # the client believes the slot moved: the node says MOVED
         from kvstore.buffers import BufferPool
 
-        rerouted = []
-        learn = store._rerouted
-        store._rerouted = lambda client: (rerouted.append(1), learn(client))[1]
+        manager, slot, home, rerouted = _misroute(store, store._redis, keys[4])
         leases = list(store.get_into(keys, BufferPool(16 << 20)))
         assert [bytes(x.view) for x in leases] == [k.encode() for k in keys]
         assert rerouted == [1]  # the direct read was told MOVED, and the pipeline finished the batch
@@ -130,15 +135,7 @@ def test_put_many_resends_a_value_whose_slot_moved_and_learns_its_home(redis_clu
     keys = [f"kvs1/wm/{i:04x}" for i in range(9)]
     with open_store(redis_cluster.url) as store:
         store.put("warm", b"up")  # the write client knows the slots
-        client = store._redis_writes
-        manager = client.nodes_manager
-        slot = client.keyslot(keys[4])
-        home = manager.slots_cache[slot][0]
-        elsewhere = next(n for n in client.get_primaries() if n.name != home.name)
-        manager.slots_cache[slot] = [elsewhere]  # the client believes the slot moved: the node says MOVED
-        rerouted = []
-        learn = store._rerouted
-        store._rerouted = lambda client: (rerouted.append(1), learn(client))[1]
+        manager, slot, home, rerouted = _misroute(store, store._redis_writes, keys[4])
         store.put_many([(k, k.encode()) for k in keys])
         assert rerouted == [1]  # told MOVED once, and the pipeline resent the value
         assert manager.slots_cache[slot][0].name == home.name
