@@ -602,4 +602,3 @@ def test_a_lookup_past_its_deadline_or_failing_is_a_counted_miss():
     finally:
         release.set()
         sched.close()
-
