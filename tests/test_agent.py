@@ -19,8 +19,8 @@ from kvstore.connectors.agent import AgentConfig, KVStoreAgent
 from kvstore.errors import ConfigError
 from kvstore.record import decode_record, encode_record
 from kvstore.testing.damage import flip_byte
-from kvstore.testing.engine import PRESETS, LlamaModel, ModelRunner
-from kvstore.testing.engine.runner import build_model_input
+from kvstore.reference import PRESETS, LlamaModel, ModelRunner
+from kvstore.reference.runner import build_model_input
 
 CFG = PRESETS["tiny"]
 CHUNK = 32
@@ -177,14 +177,14 @@ def test_corrupted_record_is_a_miss(store_url):
 def test_hidden_state_of_another_size_is_a_miss_not_an_engine_error(store_url):
     # Two engines that differ only in hidden_size but were given the same fingerprint share a
     # namespace (their KV shapes agree); the writer's hidden states do not fit the reader's model.
-    from kvstore.metrics import REGISTRY
+    from kvstore.metrics.catalog import CORRUPT
 
     wide = CFG.with_(hidden_size=128)
     p = prompt(96, 12)
     writer = KVStoreAgent(dict(store=store_url, model=CFG.name, model_fingerprint="shared", chunk_tokens=CHUNK))
     ModelRunner(CFG, writer).generate([p], 2)
     writer.close()
-    corrupt = REGISTRY.counter("kvstore_corrupt_records_total", "", ("reason",))
+    corrupt = CORRUPT
     before = corrupt.value(reason="shape")
     reader = KVStoreAgent(dict(store=store_url, model=CFG.name, model_fingerprint="shared", chunk_tokens=CHUNK,
                                role="consumer"))
@@ -267,7 +267,7 @@ def test_two_processes_share_redis(redis_server):
     child = textwrap.dedent(f"""
         import json
         from kvstore.connectors.agent import KVStoreAgent
-        from kvstore.testing.engine import PRESETS, ModelRunner
+        from kvstore.reference import PRESETS, ModelRunner
         cfg = PRESETS["tiny"]
         agent = KVStoreAgent(dict(store={url!r}, model=cfg.name, model_fingerprint=cfg.fingerprint,
                                   chunk_tokens={CHUNK}, role="producer", cache_salt="two-proc"))

@@ -17,9 +17,9 @@ from golden_records import GOLDEN_KEY, SIGNED_CASES, VERSIONS, encode_case, fixt
 from kvstore import FORMAT_VERSION, CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record, read_header
 from kvstore.connectors.agent import KVStoreAgent
 from kvstore.errors import ConfigError
-from kvstore.metrics import REGISTRY
+from kvstore.metrics.catalog import CORRUPT
 from kvstore.record.auth import TAG_BYTES, RecordAuth, shared_auth
-from kvstore.testing.engine import PRESETS, ModelRunner
+from kvstore.reference import PRESETS, ModelRunner
 
 NS = Namespace(model="m", kv_dtype="bfloat16", layout="t", block_size=4, chunk_tokens=8, layer_end=1,
                cache_salt="tenant")
@@ -159,7 +159,7 @@ def test_keyless_writer_never_reaches_a_keyed_reader(tmp_path, monkeypatch):
     rng = random.Random(5)
     prompt = [rng.randrange(CFG.vocab_size) for _ in range(100)]
     baseline = ModelRunner(CFG).generate([prompt], 8).tokens
-    auth_rejects = REGISTRY.counter("kvstore_corrupt_records_total", "", ("reason",))
+    auth_rejects = CORRUPT
     before = auth_rejects.value(reason="auth")
 
     keyless = _agent(url)  # a writer without the key, on the same shared store

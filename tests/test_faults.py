@@ -24,13 +24,13 @@ from servers import freeze, thaw
 from kvstore.connectors.agent import KVStoreAgent
 from kvstore.errors import CorruptRecordError, StoreTimeoutError
 from kvstore.keys import Namespace, chunk_keys
-from kvstore.metrics import REGISTRY
+from kvstore.metrics.catalog import ERRORS
 from kvstore.record import decode_record, encode_record
 from kvstore.stores import open_store
 from kvstore.stores.memory import MemoryStore
 from kvstore.stores.tiered import CLOSED, TieredStore
 from kvstore.testing.damage import flip_byte, truncate
-from kvstore.testing.engine import PRESETS, ModelRunner
+from kvstore.reference import PRESETS, ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def wait_for(check, timeout: float = GUARD) -> bool:
 
 
 def errors(tier: str) -> float:
-    return REGISTRY.counter("kvstore_errors_total", "", ("tier", "kind")).value(tier=tier, kind="unavailable")
+    return ERRORS.value(tier=tier, kind="unavailable")
 
 
 # -- one call to a frozen server: one deadline, no retry -------------------------------------------

@@ -39,7 +39,7 @@ import msgpack
 import numpy as np
 
 from kvstore import FORMAT_VERSION, CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record
-from kvstore.metrics import REGISTRY
+from kvstore.metrics.catalog import CORRUPT
 from kvstore.prefix_cache import PrefixCache
 from kvstore.record import FRAME_BYTES
 from kvstore.record.auth import RecordAuth, TagKeys
@@ -297,7 +297,7 @@ def _through_prefix_cache(base: Base, data: bytes, outcome: str) -> None:
     store = MemoryStore()
     store.put(base.chunk.key, data)
     cache = PrefixCache(store, base.namespace, auth=_AUTH if base.keys is not None else None)
-    corrupt = REGISTRY.counter("kvstore_corrupt_records_total", "", ("reason",))
+    corrupt = CORRUPT
     reason = outcome.partition(":")[2]
     before = corrupt.value(reason=reason)
     placed = []

@@ -147,6 +147,30 @@ def test_custom_registry():
         s.close()
 
 
+def test_a_metric_is_defined_once():
+    reg = Registry()
+    lookups = reg.counter("demo_total", "A demo.", ("kind",))
+    assert reg.counter("demo_total", "A demo.", ("kind",)) is lookups
+    for again in (lambda: reg.counter("demo_total", "Another help.", ("kind",)),
+                  lambda: reg.counter("demo_total", "A demo."),
+                  lambda: reg.gauge("demo_total", "A demo.", ("kind",))):
+        with pytest.raises(ValueError, match="demo_total"):
+            again()
+
+
+def test_the_catalog_defines_each_name_once():
+    import ast
+    import inspect
+
+    from kvstore.metrics import catalog
+
+    names = [node.args[0].value for node in ast.walk(ast.parse(inspect.getsource(catalog)))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr in ("counter", "gauge", "histogram")
+             and node.args and isinstance(node.args[0], ast.Constant)]
+    assert names and len(names) == len(set(names))
+
+
 def test_start_from_env_takes_the_next_free_port():
     import kvstore.metrics.server as ms
 

@@ -11,7 +11,7 @@ import pytest
 
 from kvstore.buffers import BufferPool
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
-from kvstore.metrics import REGISTRY
+from kvstore.metrics.catalog import WRITE_DROPS
 from kvstore.stores import open_store
 from kvstore.stores.base import Store
 from kvstore.stores.memory import MemoryStore
@@ -213,7 +213,7 @@ def test_full_queue_drops_and_counts_without_blocking(caplog):
     slow = SlowStore(0)
     slow.gate.clear()  # the writer blocks on its first batch
     store = TieredStore([slow], queue_items=4)
-    drops = REGISTRY.counter("kvstore_write_drops_total", "", ("tier", "reason"))
+    drops = WRITE_DROPS
     before = drops.value(tier="slow", reason="queue_full")
     try:
         store.put("k0", b"x" * 100)

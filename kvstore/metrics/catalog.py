@@ -11,6 +11,7 @@ from kvstore.metrics.registry import REGISTRY
 
 __all__ = [
     "LOOKUPS",
+    "SAVE_CHECKS",
     "LOOKUP_HIT_TOKENS",
     "LOOKUP_TOKENS",
     "LOOKUP_FAILURES",
@@ -39,7 +40,9 @@ __all__ = [
 ]
 
 # -- prefix cache: lookups, loads, saves ---------------------------------------------------------
-LOOKUPS = REGISTRY.counter("kvstore_lookups_total", "Prefix lookups.")
+LOOKUPS = REGISTRY.counter("kvstore_lookups_total", "Prefix lookups asked before a load (not saves' pre-checks).")
+SAVE_CHECKS = REGISTRY.counter("kvstore_save_checks_total",
+                               "Lookups a save made to skip chunks already stored (saves told where to start make none).")
 LOOKUP_HIT_TOKENS = REGISTRY.counter("kvstore_lookup_hit_tokens_total", "Tokens found stored by lookups.")
 LOOKUP_TOKENS = REGISTRY.counter("kvstore_lookup_tokens_total", "Tokens asked for by lookups.")
 LOOKUP_FAILURES = REGISTRY.counter("kvstore_lookup_failures_total",
@@ -51,8 +54,6 @@ TOKENS_LOADED = REGISTRY.counter("kvstore_tokens_loaded_total", "Tokens whose KV
 TOKENS_SAVED = REGISTRY.counter("kvstore_tokens_saved_total", "Tokens whose KV was written to the store.")
 CORRUPT = REGISTRY.counter("kvstore_corrupt_records_total", "Records rejected by validation, by reason.", ("reason",))
 LATENCY = REGISTRY.histogram("kvstore_op_seconds", "Latency of cache operations.", ("op",))
-LOAD_DECISIONS = REGISTRY.counter("kvstore_load_decisions_total", "Load-or-recompute decisions by tier.",
-                                  ("tier", "decision"))
 
 # -- tiers: bytes, errors, the circuit breaker, the write queues ----------------------------------
 BYTES_READ = REGISTRY.counter("kvstore_bytes_read_total", "Record bytes read, by tier.", ("tier",))

@@ -1,8 +1,9 @@
 """Counters, gauges and histograms with labels, rendered in the Prometheus text format.
 
 Dependency-free on purpose: the hot path only increments numbers under a lock; rendering
-happens when someone scrapes. A name is registered once per ``Registry`` with one type and one
-set of label names; registering it again returns the same metric.
+happens when someone scrapes. A name is registered once per ``Registry`` with one type, one set
+of label names and one help text; registering it again with the same returns the same metric,
+with any other raises ``ValueError`` (a second definition would otherwise be silently ignored).
 """
 
 from __future__ import annotations
@@ -140,8 +141,10 @@ class Registry:
             m = self._metrics.get(name)
             if m is None:
                 m = self._metrics[name] = cls(name, help, tuple(labelnames), **kw)
-            elif type(m) is not cls or m.labelnames != tuple(labelnames):
-                raise ValueError(f"metric {name} already registered with another type or labels")
+            elif type(m) is not cls or m.labelnames != tuple(labelnames) or m.help != help:
+                # A second definition would be silently ignored (the first one's help is what
+                # /metrics shows): refuse it, so each metric is defined once (``catalog``).
+                raise ValueError(f"metric {name} already registered with another type, labels or help")
             return m
 
     def counter(self, name: str, help: str, labelnames: Iterable[str] = ()) -> Counter:
