@@ -45,8 +45,8 @@ from common import machine
 
 from kvstore.buffers import BufferPool
 from kvstore.stores.redis import RedisClusterStore, RedisStore
+from kvstore.stores.redis.raw import RawRedis
 from kvstore.testing.proxy import ShapedProxy
-from kvstore.testing.rawredis import RawRedis
 
 N, SIZE = 16, 1 << 20
 

@@ -30,7 +30,7 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
   LMCache resp://    the same with its C++ RESP client (8 threads)
   raw zero-copy      the physical ceiling: one connection, pipelined SETs sent straight from the
                      encoded records, pipelined GETs received (recv_into) into preallocated,
-                     touched buffers; no validation, no copy (kvstore/testing/rawredis.py)
+                     touched buffers; no validation, no copy (kvstore/stores/redis/raw.py)
   kvstore cache      PrefixCache.save (lookup to skip stored chunks, xxh3 over the payload, the
                      header sent beside the payload, no copy; one batch over the store's
                      connections) / PrefixCache.load (records received into pooled buffers, each
@@ -83,7 +83,7 @@ from kvstore.keys import Namespace
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.record import decode_record
 from kvstore.stores.redis import RedisStore
-from kvstore.testing.rawredis import RawRedis
+from kvstore.stores.redis.raw import RawRedis
 
 N_CHUNKS = 16
 SHAPES = {  # name: (layers, kv heads, head size, tokens per chunk)
@@ -301,7 +301,7 @@ class KVStorePath:
 
 
 class RawPath:
-    """The ceiling: the same records through a raw zero-copy client (see ``kvstore.testing.rawredis``)."""
+    """The ceiling: the same records through a raw zero-copy client (see ``kvstore.stores.redis.raw``)."""
 
     def __init__(self, port: int, kv: KVStorePath) -> None:
         self.client = RawRedis(port=port)

@@ -6,7 +6,7 @@ raw zero-copy client, over 1, 2 and 4 connections.
 16 chunks per batch at the two shapes of bench_peer_lmcache.py (3 MiB and 32 MiB). For each, in
 one run against one redis-server, medians of ``--reps`` rounds (after one warm-up round):
 
-* ``raw put``: the raw zero-copy client (``kvstore.testing.rawredis``) SETting the records;
+* ``raw put``: the raw zero-copy client (``kvstore.stores.redis.raw``) SETting the records;
 * ``put_bare c=N``: ``RedisStore.put_many`` of the same encoded records over N connections;
 * ``save c=N``: ``PrefixCache.save`` (lookup, encode with the checksum, put_many) over N.
 

@@ -233,7 +233,7 @@ def bench_cluster(data: Chunks, reps: int) -> str:
     import redis
 
     from kvstore.stores.redis import RedisClusterStore
-    from kvstore.testing.rawredis import RawRedis
+    from kvstore.stores.redis.raw import RawRedis
 
     cluster = servers.RedisCluster()
     try:

@@ -44,7 +44,7 @@ from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
 from kvstore.stores import TieredStore
 from kvstore.stores.redis import RedisStore
-from kvstore.testing.rawredis import RawRedis
+from kvstore.stores.redis.raw import RawRedis
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 256, 2048, 256
 

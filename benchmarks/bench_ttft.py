@@ -25,7 +25,7 @@ import uuid
 import torch
 
 from kvstore.connectors.agent import KVStoreAgent
-from kvstore.testing.engine import PRESETS, ModelRunner
+from kvstore.reference import PRESETS, ModelRunner
 
 
 def main() -> None:

@@ -18,9 +18,9 @@ import torch
 from kvstore.connectors.agent import AgentConfig, KVStoreAgent
 from kvstore.errors import ConfigError
 from kvstore.record import decode_record, encode_record
-from kvstore.testing.damage import flip_byte
 from kvstore.reference import PRESETS, LlamaModel, ModelRunner
 from kvstore.reference.runner import build_model_input
+from kvstore.testing.damage import flip_byte
 
 CFG = PRESETS["tiny"]
 CHUNK = 32

@@ -12,7 +12,7 @@ import torch
 from connectors.agent import KVTransferAgent
 from kvstore.connectors.agent.v0 import agent_config_from_vllm
 from kvstore.errors import ConfigError
-from kvstore.testing.engine import PRESETS, ModelRunner
+from kvstore.reference import PRESETS, ModelRunner
 
 CFG = PRESETS["tiny"]
 

@@ -21,8 +21,8 @@ from kvstore import open_store
 from kvstore.cli import main
 from kvstore.keys import Namespace
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.stores.redis.raw import RawRedis, RawRedisError
 from kvstore.testing.damage import flip_byte
-from kvstore.testing.rawredis import RawRedis, RawRedisError
 
 ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 32

@@ -6,8 +6,8 @@ import random
 
 import torch
 
-from kvstore.testing.engine import PRESETS, LlamaModel, ModelRunner
-from kvstore.testing.engine.runner import build_model_input
+from kvstore.reference import PRESETS, LlamaModel, ModelRunner
+from kvstore.reference.runner import build_model_input
 
 CFG = PRESETS["tiny"]
 

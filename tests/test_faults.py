@@ -26,11 +26,11 @@ from kvstore.errors import CorruptRecordError, StoreTimeoutError
 from kvstore.keys import Namespace, chunk_keys
 from kvstore.metrics.catalog import ERRORS
 from kvstore.record import decode_record, encode_record
+from kvstore.reference import PRESETS, ModelRunner
 from kvstore.stores import open_store
 from kvstore.stores.memory import MemoryStore
 from kvstore.stores.tiered import CLOSED, TieredStore
 from kvstore.testing.damage import flip_byte, truncate
-from kvstore.reference import PRESETS, ModelRunner
 
 
 @pytest.fixture(scope="module")

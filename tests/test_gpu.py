@@ -15,8 +15,8 @@ from kvstore.connectors.agent import AgentConfig, KVStoreAgent
 from kvstore.keys import Namespace
 from kvstore.paged import BHNCLayout, FlashLayout, KVTransfer, dtype_name, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
+from kvstore.reference import PRESETS, ModelRunner
 from kvstore.stores.memory import MemoryStore
-from kvstore.testing.engine import PRESETS, ModelRunner
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check on a GPU machine)")]

@@ -102,7 +102,7 @@ def test_sdist_and_wheel_contents(dist):
     names = set(wheel.namelist())
     assert dist["wheel"].name == f"kvstore-{__version__}-py3-none-any.whl"
     for must in ("kvstore/py.typed", "kvstore/connectors/vllm/plugin.py", "kvstore/connectors/vllm/stats.py",
-                 "kvstore/testing/rawredis.py", "connectors/vllm_v1.py", "connectors/agent.py"):
+                 "kvstore/stores/redis/raw.py", "connectors/vllm_v1.py", "connectors/agent.py"):
         assert must in names, must
     assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
     meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))

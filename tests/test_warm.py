@@ -51,7 +51,7 @@ def _console() -> list[str]:
 def _fresh_engine(store_url: str):
     """A new reference engine + agent over ``store_url``, as a serving replica would build it."""
     from kvstore.connectors.agent import AgentConfig, KVStoreAgent
-    from kvstore.testing.engine import PRESETS, ModelRunner
+    from kvstore.reference import PRESETS, ModelRunner
 
     cfg = PRESETS["tiny"]
     agent = KVStoreAgent(AgentConfig(store=(store_url,), model=cfg.name, model_fingerprint=cfg.fingerprint))
@@ -59,7 +59,7 @@ def _fresh_engine(store_url: str):
 
 
 def _assert_fresh_engine_hits(store_url: str, prompts: list[list[int]]) -> None:
-    from kvstore.testing.engine import PRESETS, ModelRunner
+    from kvstore.reference import PRESETS, ModelRunner
 
     runner, agent = _fresh_engine(store_url)
     plain = ModelRunner(PRESETS["tiny"])

@@ -4,7 +4,7 @@ For each record size it writes ``count`` values under a private ``kvstore-bench/
 prefix with one ``put_many``, reads them back with one ``get_many``, and times
 ``longest_prefix`` over their keys (the lookup an engine does per prompt: one round trip per
 tier). Each figure is the median of ``--reps`` repetitions. On a ``redis://`` URL the same bytes
-also go through ``kvstore.testing.rawredis.RawRedis`` (pipelined, zero-copy sends, reads into
+also go through ``kvstore.stores.redis.raw.RawRedis`` (pipelined, zero-copy sends, reads into
 preallocated buffers): the ceiling the store is measured against, on the same connection
 parameters. Every key it wrote is deleted at the end, also after an error.
 
@@ -31,7 +31,7 @@ from kvstore.cli.tiers import emit_json, human_bytes, print_table, unavailable_a
 from kvstore.config import parse_size, redact_url
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.stores import Store, open_store
-from kvstore.testing.rawredis import RawRedis
+from kvstore.stores.redis.raw import RawRedis
 from kvstore.types import array_view
 
 __all__ = ["register", "cmd_bench", "raw_redis_target"]

@@ -41,7 +41,7 @@ def _replica(name: str, urls: list[str], salt: str, preset: str, prompt: list[in
         import torch
 
         from kvstore.connectors.agent import KVStoreAgent
-        from kvstore.testing.engine import PRESETS, ModelRunner
+        from kvstore.reference import PRESETS, ModelRunner
 
         torch.manual_seed(0)
         cfg = PRESETS[preset]
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         urls = [f"file://{tmp}"]
     salt = uuid.uuid4().hex  # a fresh namespace: replica 1 always starts cold
     rng = random.Random(1234)
-    from kvstore.testing.engine import PRESETS
+    from kvstore.reference import PRESETS
 
     if args.model not in PRESETS:
         print(f"kvstore demo: error: --model {args.model!r}; accepted: {', '.join(PRESETS)}")

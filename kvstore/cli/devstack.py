@@ -137,7 +137,7 @@ def plan_stack(compose: Compose, state: Path, *, model: str | None = None, vllm_
                 "--dir", str(state / "redis"), "--daemonize", "no"]
 
         def redis_up() -> bool:
-            from kvstore.testing.rawredis import RawRedis
+            from kvstore.stores.redis.raw import RawRedis
 
             try:
                 with RawRedis(LOOPBACK, redis_port, password=password, timeout=1) as r:

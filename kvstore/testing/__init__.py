@@ -1,7 +1,9 @@
-"""Test helpers shipped with the package, so that third-party backends and engines can reuse them.
+"""Test kit shipped with the package, so that third-party backends and engines can reuse it.
 
 * ``store_tests``: the store conformance suite (subclass ``StoreTests`` once per backend).
 * ``damage``: damage stored records on purpose (detection and healing tests).
-* ``engine``: a small reference LLM engine with a paged KV cache (tests, the demo, benchmarks);
-  scaffolding, not something to serve with.
+* ``proxy``: ``ShapedProxy``, a TCP proxy that adds delay and caps bandwidth (slow-network tests).
+
+This is the top layer: tests and benchmarks import it, no product module does (the reference
+engine is ``kvstore.reference``, the raw RESP client ``kvstore.stores.redis.raw``).
 """

@@ -221,6 +221,25 @@ class StoreTests(ABC):
         stream.close()
         assert pool.stats()["leased_bytes"] == 0
 
+    # -- flush and deadline ---------------------------------------------------------------------
+    def test_flush_says_every_accepted_write_landed(self, store: Store) -> None:
+        # Callers that shut down or hand a store over rely on True meaning "nothing is pending".
+        assert store.flush(10) is True  # nothing written yet
+        items = [(f"kvs1/test/fl{i}", os.urandom(1000 + i)) for i in range(8)]
+        store.put_many(items)
+        store.put("kvs1/test/fl-one", b"one")
+        assert store.flush(10) is True
+        for key, value in items:
+            assert self.bypass_get(store, key) == value
+        assert self.bypass_get(store, "kvs1/test/fl-one") == b"one"
+        assert store.flush(0) is True  # idle again: even a zero timeout has nothing to wait for
+
+    def test_deadline_is_none_or_a_positive_bound(self, store: Store) -> None:
+        # The tiered store and the cost model size their waits from it: it must be a real bound.
+        deadline = store.deadline
+        assert deadline is None or (isinstance(deadline, float | int) and 0 < deadline < 3600), deadline
+        assert store.deadline == deadline  # a property of the configuration, not of the moment
+
     # -- concurrency and description ------------------------------------------------------------
     def test_concurrent_writers_and_readers(self, store: Store) -> None:
         errors: list[BaseException] = []

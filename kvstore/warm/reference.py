@@ -8,8 +8,8 @@ from typing import Any
 from kvstore.connectors.agent import AgentConfig, KVStoreAgent
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey
+from kvstore.reference import PRESETS, ModelRunner
 from kvstore.stores import Store, TieredStore
-from kvstore.testing.engine import PRESETS, ModelRunner
 from kvstore.warm.engine import CountingStore, WarmEngine
 
 __all__ = ["ReferenceWarmEngine"]

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvstore.testing.engine.config import EngineConfig
-from kvstore.testing.engine.kvcache import EngineKV
-from kvstore.testing.engine.weights import init_weight
+from kvstore.reference.config import EngineConfig
+from kvstore.reference.kvcache import EngineKV
+from kvstore.reference.weights import init_weight
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -75,7 +75,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: Any, intermediate: dict[str, torch.Tensor] | None = None):
+                attn_metadata: Any, intermediate: dict[str, torch.Tensor] | None = None,
+                ) -> torch.Tensor | dict[str, torch.Tensor]:
         c = self.config
         residual: torch.Tensor | None
         if self.is_first:
@@ -95,7 +96,7 @@ class LlamaModel:
                 residual = hidden + residual
                 x = rms_norm(residual, layer["ln1"], c.rms_eps)
             qkv = x @ layer["qkv"].T
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
             q = apply_rope(q.reshape(-1, c.num_heads, c.head_dim), cos, sin)
             k = apply_rope(k.reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
             self.kv.write(cache, attn_metadata.slot_mapping, k, v.reshape(-1, c.num_kv_heads, c.head_dim))
@@ -105,9 +106,9 @@ class LlamaModel:
             x = rms_norm(residual, layer["ln2"], c.rms_eps)
             gate, up = (x @ layer["gate_up"].T).chunk(2, dim=-1)
             hidden = (F.silu(gate) * up) @ layer["down"].T
+        assert residual is not None  # set by the previous stage or by this stage's first layer
         if not self.is_last:
             return {"hidden_states": hidden, "residual": residual}
-        assert residual is not None  # set by the previous stage or by this stage's first layer
         return rms_norm(hidden + residual, self.norm, c.rms_eps)
 
     def _attention(self, q: torch.Tensor, cache: torch.Tensor, md: Any) -> torch.Tensor:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from kvstore.testing.engine.config import EngineConfig
-from kvstore.testing.engine.model import LlamaModel
+from kvstore.reference.config import EngineConfig
+from kvstore.reference.model import LlamaModel
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from kvstore.testing.engine.config import EngineConfig
+from kvstore.reference.config import EngineConfig
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

@@ -7,8 +7,8 @@ partial hit, ``send`` after. Weights are seeded random at a realistic scale, so 
 matters: a wrong or noisy KV changes the generated tokens.
 """
 
-from kvstore.testing.engine.config import PRESETS, EngineConfig
-from kvstore.testing.engine.model import LlamaModel
-from kvstore.testing.engine.runner import AttnMetadata, ModelInput, ModelRunner, Sequence
+from kvstore.reference.config import PRESETS, EngineConfig
+from kvstore.reference.model import LlamaModel
+from kvstore.reference.runner import AttnMetadata, ModelInput, ModelRunner, Sequence
 
 __all__ = ["EngineConfig", "PRESETS", "LlamaModel", "ModelRunner", "ModelInput", "AttnMetadata", "Sequence"]

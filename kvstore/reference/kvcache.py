@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 
 
-def _bhnc_kv(cache: torch.Tensor):
+def _bhnc_kv(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tok = cache.transpose(1, 2)  # [B, N, H, 2D]
     d = tok.shape[-1] // 2
     return tok[..., :d], tok[..., d:]
 
 
-def _cpu_pages(cache: torch.Tensor):
+def _cpu_pages(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, n, c = cache.shape
     d = c // 2
     page = cache.reshape(b, h, n * c)  # contiguous: a view
@@ -47,7 +47,7 @@ class EngineKV:
             return torch.zeros(b, n, h, 2 * d, dtype=dtype, device=device).permute(0, 2, 1, 3)
         return torch.zeros(b, h, n, 2 * d, dtype=dtype, device=device)
 
-    def _kv(self, cache: torch.Tensor):
+    def _kv(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as ``[B, N, H, D]`` views of ``cache``."""
         if self.layout == "flash-2bnhd":
             return cache[0], cache[1]
@@ -63,7 +63,7 @@ class EngineKV:
         kc[blk, off] = k
         vc[blk, off] = v
 
-    def read(self, cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int):
+    def read(self, cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[num_tokens, H, D]`` of a sequence whose blocks are ``block_ids``."""
         kc, vc = self._kv(cache)
         nb = -(-num_tokens // self.block_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from kvstore.errors import ConfigError
 
@@ -42,7 +43,7 @@ class EngineConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even (RoPE)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype={self.dtype!r}; accepted: float32, bfloat16, float16")
-        from kvstore.testing.engine.kvcache import ENGINE_LAYOUTS
+        from kvstore.reference.kvcache import ENGINE_LAYOUTS
 
         if self.kv_layout not in ENGINE_LAYOUTS:
             raise ConfigError(f"kv_layout={self.kv_layout!r}; accepted: {', '.join(ENGINE_LAYOUTS)}")
@@ -59,7 +60,7 @@ class EngineConfig:
             del fields["device"]
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
-    def with_(self, **changes) -> EngineConfig:
+    def with_(self, **changes: Any) -> EngineConfig:
         return replace(self, **changes)
 
     def num_params(self) -> int:
