@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import LOAD_DECISIONS, PREFILL_RATE
-from kvstore.stores.tiered.speed import LinkSpeed, transfer_rate
+from kvstore.stores.speed import LinkSpeed, transfer_rate
 
 __all__ = ["CostModel", "LoadPlan", "POLICIES"]
 

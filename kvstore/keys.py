@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from typing import Any
@@ -30,7 +31,7 @@ from kvstore._version import FORMAT_VERSION
 from kvstore.errors import ConfigError
 from kvstore.types import array_view
 
-__all__ = ["FORMAT_VERSION", "KEY_PREFIX", "Namespace", "ChunkKey", "chunk_keys", "tokens_to_array",
+__all__ = ["FORMAT_VERSION", "KEY_PREFIX", "Namespace", "ChunkKey", "chunk_keys", "prefix_keys", "tokens_to_array",
            "check_chunk_tokens", "split_key", "namespace_prefix", "TokenIds"]
 
 KEY_PREFIX = f"kvs{FORMAT_VERSION}"
@@ -187,4 +188,39 @@ def chunk_keys(namespace: Namespace, tokens: TokenIds, *,
         h = hasher.digest()
         digest = h[:_DIGEST_BYTES]
         out.append(ChunkKey(index, start, end, digest, partial, prefix + digest.hex()))
+    return out
+
+def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int]) -> list[ChunkKey]:
+    """The keys of every chunk of every prefix ``tokens[:e]`` for ``e`` in ``ends``, each once,
+    ordered by end (a partial chunk before the whole chunk it begins): what ``chunk_keys`` gives
+    for each prefix, hashing the chain once. Ends beyond ``tokens`` are cut to its length."""
+    arr = tokens_to_array(tokens)
+    n = int(arr.shape[0])
+    wanted = sorted({min(int(e), n) for e in ends if e > 0})
+    if not wanted:
+        return []
+    step = namespace.chunk_tokens
+    prefix = namespace.key_prefix
+    h = hashlib.sha256(b"kvstore-prefix-v1" + namespace.digest).digest()
+    out: list[ChunkKey] = []
+    data = array_view(arr).cast("B")
+    top = wanted[-1]
+    for index, start in enumerate(range(0, top, step)):
+        full_end = start + step
+        # Partial chunks of the ends inside this chunk branch off the chain; only a whole chunk
+        # extends it (the same hashing as ``chunk_keys``).
+        for end in (e for e in wanted if start < e < full_end):
+            hasher = hashlib.sha256(h)
+            hasher.update(b"P")
+            hasher.update(data[start * 4:end * 4])
+            digest = hasher.digest()[:_DIGEST_BYTES]
+            out.append(ChunkKey(index, start, end, digest, True, prefix + digest.hex()))
+        if full_end > top:
+            break
+        hasher = hashlib.sha256(h)
+        hasher.update(b"F")
+        hasher.update(data[start * 4:full_end * 4])
+        h = hasher.digest()
+        digest = h[:_DIGEST_BYTES]
+        out.append(ChunkKey(index, start, full_end, digest, False, prefix + digest.hex()))
     return out

@@ -4,7 +4,9 @@
 adapters give it, per chunk, the bytes to save (``save``) and take, per verified chunk, the
 bytes to place (``load``'s sink). Its promises:
 
-* ``lookup`` costs one ``longest_prefix`` call (one round trip per tier).
+* ``lookup`` costs one ``longest_prefix_by_tier`` call (one round trip per tier) and is the one
+  lookup every adapter makes (``stored_by_tier``: the vLLM scheduler asks it for every TP rank's
+  shard at once); each is counted once in ``kvstore_lookups_total``.
 * ``load`` receives the records into leased pool buffers (``Store.get_into``: a Redis tier
   receives record i+1 while record i is verified and placed), verifies each record (namespace,
   key, token ids, dtype, shapes, hidden state, checksum and, with a deployment key, its tag)
@@ -12,7 +14,9 @@ bytes to place (``load``'s sink). Its promises:
   is missing or fails. The record handed to the sink is valid only during that call. A failed
   record is counted, deleted from the store (best effort) and becomes a miss; a store outage
   is a miss. ``load`` never raises a storage or record error.
-* ``save`` skips chunks that are already stored, encodes each record as pieces (its header
+* ``save`` writes the chunks ending after ``from_token`` (a caller that knows how far the
+  prefix is stored says so: no lookup), or, without it, those after the stored prefix (one
+  pre-check, counted in ``kvstore_save_checks_total``, not as a lookup); it encodes each record as pieces (its header
   beside the payload, which is never copied into a joined buffer) and never raises a storage
   error; record encoding errors (a caller bug) do raise. A payload may be owned by a lease
   (``ChunkPayload.owner``): ``save`` releases it once the store has taken what it keeps.
@@ -39,7 +43,7 @@ from kvstore.record.codecs import resolve_chain
 from kvstore.stores.base import Store
 from kvstore.types import Buffer
 
-__all__ = ["PrefixCache", "ChunkPayload", "LoadResult"]
+__all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "stored_by_tier"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,36 @@ class _Expect:
     auth: TagKeys | None
 
 
+def stored_by_tier(store: Store, shards: Sequence[Sequence[ChunkKey]]) -> list[int]:
+    """How many leading chunks of a prompt each of ``store.tiers`` holds for every shard in
+    ``shards`` (the same chunks under each shard's namespace, e.g. one per TP rank: a hit needs
+    them all), the minimum over shards; zeros when the store is unavailable. One lookup, counted
+    once; shards after one that nothing holds are not asked."""
+    start = time.perf_counter()
+    metrics.LOOKUPS.inc()
+    held = [0] * len(store.tiers)
+    first = shards[0] if shards else ()
+    try:
+        for i, keys in enumerate(shards):
+            if not keys:
+                held = [0] * len(held)
+                break
+            counts = store.longest_prefix_by_tier([k.key for k in keys])
+            held = counts if i == 0 else [min(a, b) for a, b in zip(held, counts)]
+            if not any(held):
+                break
+    except KVStoreError as exc:  # a store that is not tiered fails as a whole: a miss
+        log.debug("lookup failed: %s", exc)
+        metrics.LOOKUP_FAILURES.inc(reason="error")
+        held = [0] * len(held)
+    metrics.LATENCY.observe(time.perf_counter() - start, op="lookup")
+    if first:
+        found = max(held, default=0)
+        metrics.LOOKUP_TOKENS.inc(first[-1].end)
+        metrics.LOOKUP_HIT_TOKENS.inc(first[found - 1].end if found else 0)
+    return held
+
+
 class PrefixCache:
     """Chunked, verified save/load of token-prefix KV under one namespace."""
 
@@ -112,19 +146,12 @@ class PrefixCache:
         return keys
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        """How many leading ``keys`` are stored (0 if the store is unavailable)."""
-        start = time.perf_counter()
-        metrics.LOOKUPS.inc()
-        try:
-            n = self.store.longest_prefix([k.key for k in keys]) if keys else 0
-        except KVStoreError as exc:
-            log.debug("lookup failed: %s", exc)
-            n = 0
-        metrics.LATENCY.observe(time.perf_counter() - start, op="lookup")
-        if keys:
-            metrics.LOOKUP_TOKENS.inc(keys[-1].end)
-            metrics.LOOKUP_HIT_TOKENS.inc(keys[n - 1].end if n else 0)
-        return n
+        """How many leading ``keys`` are stored in some tier (0 if the store is unavailable)."""
+        return max(self.lookup_by_tier(keys), default=0)
+
+    def lookup_by_tier(self, keys: Sequence[ChunkKey]) -> list[int]:
+        """How many leading ``keys`` each of the store's tiers holds (``stored_by_tier``)."""
+        return stored_by_tier(self.store, [keys])
 
     def lookup_tokens(self, keys: Sequence[ChunkKey]) -> int:
         """Number of leading tokens covered by stored chunks among ``keys``."""
@@ -210,19 +237,30 @@ class PrefixCache:
         keys: Sequence[ChunkKey],
         payload: Callable[[ChunkKey], ChunkPayload],
         *,
+        from_token: int | None = None,
         skip_stored: bool = True,
         namespace: Namespace | None = None,
     ) -> int:
         """Encode and store the chunks of ``keys``; returns how many were written.
 
-        With ``skip_stored`` the leading chunks already in the store are not rebuilt or
-        rewritten (``payload`` is not called for them).
+        ``from_token``: the chunks ending at or before it are taken as stored and skipped, every
+        later one is written, whether stored or not (a caller that knows how far the prefix is
+        stored, or that wants a bad stretch rewritten, says where to start). Without it, with
+        ``skip_stored``, one pre-check finds the stored leading chunks and skips those; with
+        neither, every chunk is written. ``payload`` is called only for chunks written.
         """
         ns = namespace or self.namespace
         if not keys:
             return 0
         start = time.perf_counter()
-        first = self.lookup(keys) if skip_stored else 0
+        if from_token is not None:
+            first = next((i for i, k in enumerate(keys) if k.end > from_token), len(keys))
+        elif skip_stored:
+            first = self._stored_prefix(keys)
+        else:
+            first = 0
+        if first >= len(keys):
+            return 0
         arr = tokens_to_array(tokens)
         tag_keys = self._tag_keys(ns)
         made: list[Pieces] = []
@@ -257,6 +295,15 @@ class PrefixCache:
             metrics.TOKENS_SAVED.inc(keys[-1].end - keys[first].start)
         metrics.LATENCY.observe(time.perf_counter() - start, op="save")
         return len(items)
+
+    def _stored_prefix(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading ``keys`` are stored (a save's pre-check: counted apart from lookups)."""
+        metrics.SAVE_CHECKS.inc()
+        try:
+            return self.store.longest_prefix([k.key for k in keys])
+        except KVStoreError as exc:
+            log.debug("save pre-check failed: %s", exc)
+            return 0
 
     def _discard(self, key: str) -> None:
         try:

@@ -6,7 +6,7 @@ import pytest
 
 from kvstore.cost import CostModel
 from kvstore.errors import ConfigError
-from kvstore.stores.tiered.speed import LinkSpeed
+from kvstore.stores.speed import LinkSpeed
 
 MIB = 1 << 20
 

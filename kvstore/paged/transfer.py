@@ -25,7 +25,7 @@ import torch
 
 from kvstore.buffers import BufferPool, Lease
 from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey, Namespace, TokenIds, tokens_to_array
+from kvstore.keys import ChunkKey, Namespace, TokenIds, prefix_keys, tokens_to_array
 from kvstore.paged.kernels import host_bytes, host_copy, host_layers
 from kvstore.paged.layouts import PagedLayout, get_layout
 from kvstore.paged.tensors import dtype_name, tensor_bytes
@@ -133,18 +133,28 @@ class KVTransfer:
     # -- save ------------------------------------------------------------------------------
     def save_sequence(self, tokens: TokenIds, slots: torch.Tensor,
                       hidden_states: torch.Tensor | None = None, start_token: int = 0,
-                      namespace: Namespace | None = None) -> int:
+                      namespace: Namespace | None = None, *, ends: Sequence[int] | None = None,
+                      from_token: int | None = None) -> int:
         """Store the chunks of ``tokens`` whose KV sits at ``slots`` (one slot per token).
 
         ``hidden_states[i]`` (optional) is the hidden state of token ``start_token + i``; each
-        chunk whose last token has one stores it. Chunks already stored are not rebuilt or
-        rewritten. ``namespace`` overrides the cache's (same layout, e.g. another cache salt).
-        Returns the number of chunks written (handed to the store).
+        chunk whose last token has one stores it. ``ends`` saves the prefixes ``tokens[:e]``
+        for each ``e`` (default: the whole of ``tokens``), the chain hashed once for all of them.
+        ``from_token`` says how far the prefix is known to be stored: chunks ending after it are
+        written, no lookup is made (``PrefixCache.save``); without it, chunks already stored are
+        found by one pre-check and not rebuilt or rewritten. ``namespace`` overrides the cache's
+        (same layout, e.g. another cache salt). Returns the number of chunks written (handed to
+        the store).
         """
         arr = tokens_to_array(tokens)
         if slots.numel() < arr.shape[0]:
             raise ValueError(f"{arr.shape[0]} tokens need as many slots, got {slots.numel()}")
-        keys = self.keys(arr, namespace=namespace)
+        if ends is None:
+            keys = self.keys(arr, namespace=namespace)
+        else:
+            n = arr.shape[0]
+            keys = prefix_keys(namespace or self.cache.namespace, arr,
+                               [self.usable_tokens(min(int(e), n)) for e in ends])
         if not keys:
             return 0
         slots = slots.to(self.device, torch.int64)
@@ -166,7 +176,8 @@ class KVTransfer:
             return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=kv, hidden=hidden,
                                 hidden_dtype=hidden_dtype, hidden_shape=hidden_shape, owner=lease)
 
-        return self.cache.save(arr[:keys[-1].end], keys, payload, namespace=namespace)
+        return self.cache.save(arr[:max(k.end for k in keys)], keys, payload, from_token=from_token,
+                               namespace=namespace)
 
     def _gather(self, slots: torch.Tensor, host: torch.Tensor) -> None:
         """Copy the KV of ``slots`` in every layer into ``host`` (``_staging_shape(len(slots))``).

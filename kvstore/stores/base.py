@@ -25,19 +25,26 @@ Contract, for every backend:
 * ``deadline`` bounds how long one call may block on a remote server (``None``: the store does
   no network I/O); ``flush`` waits, at most ``timeout``, for writes accepted but not yet
   durable in the backend (background queues) and says whether they all landed.
+* ``tiers`` lists the stores a lookup is answered from, fastest first, each with its name and
+  measured speed; ``longest_prefix_by_tier`` says how many leading keys each holds, one round
+  trip per tier. A single store is one tier: itself. Callers (the cost model, a scheduler) use
+  these instead of asking which kind of store they hold.
 * Stores are thread-safe.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterable, Iterator, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvstore.buffers import BufferPool, Lease, Pieces, borrow
+from kvstore.stores.speed import LinkSpeed
 from kvstore.types import Buffer
 
-__all__ = ["Buffer", "LeaseStream", "Store", "WrapperStore", "Value", "WriteValue", "as_buffer"]
+__all__ = ["Buffer", "LeaseStream", "Store", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
 
 #: What ``get`` returns for a hit: the value's bytes (a view of a buffer the caller now owns).
 Value = bytes | memoryview
@@ -45,6 +52,34 @@ Value = bytes | memoryview
 WriteValue = Buffer | Pieces
 #: What ``get_into`` returns: values in key order as leases (``None`` for a miss); closable.
 LeaseStream = Generator[Lease | None, None, None]
+
+
+class StoreTier(Protocol):
+    """One tier of a store, as lookups and the cost model see it."""
+
+    @property
+    def name(self) -> str:
+        """The tier's name in metrics and measurements (``kvstore_bytes_read_total{tier}``)."""
+
+    @property
+    def store(self) -> Store:
+        """The store this tier is."""
+
+    @property
+    def speed(self) -> LinkSpeed:
+        """Its measured latency and bandwidth (unmeasured where nothing times its calls)."""
+
+
+@dataclass(frozen=True)
+class _WholeStore:
+    """A single store seen as its own only tier."""
+
+    name: str
+    store: Store
+    speed: LinkSpeed
+
+
+_whole_lock = threading.Lock()
 
 
 def as_buffer(value: WriteValue) -> Buffer:
@@ -121,6 +156,21 @@ class Store(ABC):
                 return i
         return len(keys)
 
+    @property
+    def tiers(self) -> Sequence[StoreTier]:
+        """The tiers lookups are answered from, fastest first; a single store is one: itself."""
+        whole: _WholeStore | None = self.__dict__.get("_whole_tier")
+        if whole is None:
+            with _whole_lock:  # one speed per store, however many threads ask first
+                name = str(self.describe().get("store") or type(self).__name__)
+                whole = self.__dict__.setdefault("_whole_tier", _WholeStore(name, self, LinkSpeed(name)))
+        return (whole,)
+
+    def longest_prefix_by_tier(self, keys: Sequence[str]) -> list[int]:
+        """How many leading ``keys`` each of ``tiers`` holds, in that order; one round trip per
+        tier. A tiered store may leave tiers after one that holds every key unasked (0)."""
+        return [self.longest_prefix(keys)]
+
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         """Stored length of each key's value (``None`` if absent); for stats, not the hot path."""
         out: list[int | None] = []
@@ -196,6 +246,13 @@ class WrapperStore(Store):
 
     def longest_prefix(self, keys: Sequence[str]) -> int:
         return self.inner.longest_prefix(keys)
+
+    @property
+    def tiers(self) -> Sequence[StoreTier]:
+        return self.inner.tiers
+
+    def longest_prefix_by_tier(self, keys: Sequence[str]) -> list[int]:
+        return self.inner.longest_prefix_by_tier(keys)
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         return self.inner.size_many(keys)

@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from kvstore.connectors.vllm.stats import Measurements
-from kvstore.stores import Store, TieredStore
+from kvstore.stores import Store
 
 __all__ = ["PREFILL_SAMPLE_TOKENS", "WorkerMeasurements"]
 
@@ -69,9 +69,8 @@ class WorkerMeasurements:
     def take(self) -> Measurements:
         """What was measured since the last call."""
         out = Measurements()
-        if isinstance(self._store, TieredStore):
-            out.reads = {t.name: t.speed.take_reads() for t in self._store.tiers}
-            out.reads = {name: r for name, r in out.reads.items() if r[2]}
+        reads = {t.name: t.speed.take_reads() for t in self._store.tiers}
+        out.reads = {name: r for name, r in reads.items() if r[2]}
         with self._lock:
             if self._cuda:
                 self._collect_completed()

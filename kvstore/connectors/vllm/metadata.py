@@ -27,13 +27,16 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """After this step's forward, save the prefixes ``tokens[:e]`` for ``e`` in ``ends``."""
+    """After this step's forward, save the prefixes ``tokens[:e]`` for ``e`` in ``ends``: the
+    chunks ending after ``start``, without asking the store which are there (the scheduler knows
+    how far the request is saved; a plan that must rewrite a stretch sets ``start`` before it)."""
 
     req_id: str
     tokens: list[int]
     block_ids: list[int]
     ends: list[int]
     salt: str = ""
+    start: int = 0
 
 
 @dataclass

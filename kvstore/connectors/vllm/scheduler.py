@@ -39,12 +39,11 @@ from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.connectors.vllm.plan import blocks_for, external_tokens, lookup_limit, save_ends
 from kvstore.connectors.vllm.stats import Measurements
 from kvstore.cost import CostModel
-from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, TokenIds
-from kvstore.metrics.catalog import LATENCY, LOOKUP_FAILURES, LOOKUP_HIT_TOKENS, LOOKUP_TOKENS, LOOKUPS
-from kvstore.prefix_cache import PrefixCache
-from kvstore.stores import Store, TieredStore
-from kvstore.stores.tiered.speed import LinkSpeed
+from kvstore.metrics.catalog import LOOKUP_FAILURES
+from kvstore.prefix_cache import PrefixCache, stored_by_tier
+from kvstore.stores import Store
+from kvstore.stores.speed import LinkSpeed
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -139,31 +138,14 @@ class SchedulerSide:
     # -- lookup ----------------------------------------------------------------------------------
     def _lookup(self, tokens: list[int], limit: int, salt: str) -> _Answer:
         """What of the stored prefix is worth loading (runs on the lookup pool; never raises)."""
-        start = time.perf_counter()
-        LOOKUPS.inc()
-        try:
-            per_tier: list[int] | None = None
-            keys: list[ChunkKey] = []
-            for cache in self.caches:  # every TP rank must hold its shard
-                keys = cache.keys(tokens[:limit], namespace=cache.namespace.with_salt(salt))
-                names = [k.key for k in keys]
-                held = (self.store.longest_prefix_by_tier(names) if isinstance(self.store, TieredStore)
-                        else [self.store.longest_prefix(names)])
-                per_tier = held if per_tier is None else [min(a, b) for a, b in zip(per_tier, held)]
-                if not any(per_tier):
-                    break
-        except KVStoreError as exc:  # a bare store's outage: a miss
-            log.debug("lookup failed: %s", exc)
-            LOOKUP_FAILURES.inc(reason="error")
-            per_tier = None
-        LATENCY.observe(time.perf_counter() - start, op="lookup")
-        LOOKUP_TOKENS.inc(limit)
-        if not per_tier or not any(per_tier) or not keys:
+        shards = [cache.keys(tokens[:limit], namespace=cache.namespace.with_salt(salt)) for cache in self.caches]
+        per_tier = stored_by_tier(self.store, shards)  # every TP rank must hold its shard
+        keys = shards[0]
+        if not any(per_tier) or not keys:
             return _Answer()
-        plan = self.cost.plan(list(zip(self._speeds(len(per_tier)), per_tier)), [k.num_tokens for k in keys],
-                              self.chunk_bytes)
+        speeds = [t.speed for t in self.store.tiers]
+        plan = self.cost.plan(list(zip(speeds, per_tier)), [k.num_tokens for k in keys], self.chunk_bytes)
         hit = keys[plan.chunks - 1].end if plan.chunks else 0
-        LOOKUP_HIT_TOKENS.inc(hit)
         everywhere = min(per_tier)
         return _Answer(hit, keys[everywhere - 1].end if everywhere else 0)
 
@@ -174,14 +156,9 @@ class SchedulerSide:
             return
         seen = Measurements.from_data(getattr(stats, "data", None) or {})
         self.cost.observe_prefill(seen.prefill_tokens, seen.prefill_seconds)
-        tiers = {t.name: t.speed for t in self.store.tiers} if isinstance(self.store, TieredStore) else {}
+        tiers = {t.name: t.speed for t in self.store.tiers}
         for name, (nbytes, seconds, reads) in seen.reads.items():
             self.cost.observe_reads(tiers.get(name) or LinkSpeed(name), nbytes, seconds, reads)
-
-    def _speeds(self, n: int) -> list[LinkSpeed]:
-        if isinstance(self.store, TieredStore):
-            return [t.speed for t in self.store.tiers]
-        return [LinkSpeed("store") for _ in range(n)]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
@@ -282,7 +259,7 @@ class SchedulerSide:
             top = max(ends)
             blocks = self._block_ids(req_id)
             meta.saves.append(SaveSpec(req_id, list(prompt[:top]), blocks[:blocks_for(top, self.block_size)],
-                                       ends, request.cache_salt or ""))
+                                       ends, request.cache_salt or "", start=done))
             self._saved_upto[req_id] = top
             self._planned_saves.add(req_id)
 

@@ -268,9 +268,10 @@ class WorkerSide:
 
     def _run_save(self, transfer: KVTransfer, spec: SaveSpec) -> None:
         try:
-            slots = slots_from_block_table(spec.block_ids, self.block_size, max(spec.ends))
-            for end in spec.ends:
-                transfer.save_sequence(spec.tokens[:end], slots[:end], namespace=self.namespace.with_salt(spec.salt))
+            top = max(spec.ends)
+            slots = slots_from_block_table(spec.block_ids, self.block_size, top)
+            transfer.save_sequence(spec.tokens[:top], slots, namespace=self.namespace.with_salt(spec.salt),
+                                   ends=spec.ends, from_token=spec.start)
         except Exception:
             log.exception("KVStoreConnector: save of request %s failed", spec.req_id)
 

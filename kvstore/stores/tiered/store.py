@@ -65,8 +65,8 @@ class TieredStore(Store):
             raise ConfigError("give TieredStore either config= or options, not both")
         self.config = config or build(TieredConfig, options, where="tiered store")
         self.pool = pool or default_pool()
-        self.tiers = [Tier(s, n, self.config, clock=clock) for s, n in zip(stores, tier_names(stores))]
-        self._writers = [t.writer for t in self.tiers if t.writer is not None]
+        self._tiers = [Tier(s, n, self.config, clock=clock) for s, n in zip(stores, tier_names(stores))]
+        self._writers = [t.writer for t in self._tiers if t.writer is not None]
         self._closed = False
 
     @classmethod
@@ -83,6 +83,11 @@ class TieredStore(Store):
                 s.close()
             raise
         return cls(stores, config, clock=clock)
+
+    @property
+    def tiers(self) -> Sequence[Tier]:
+        """The stacked stores, fastest first, each with its breaker, writer and measured speed."""
+        return self._tiers
 
     # -- reads ---------------------------------------------------------------------------------
     def get(self, key: str) -> Value | None:
@@ -193,7 +198,8 @@ class TieredStore(Store):
 
     def longest_prefix_by_tier(self, keys: Sequence[str]) -> list[int]:
         """How many leading ``keys`` each tier holds (its queued writes included), fastest tier
-        first; tiers after one that holds every key are not asked (0). One round trip per tier."""
+        first; tiers after one that holds every key are not asked (0). One round trip per tier;
+        a tier that fails or is skipped holds none."""
         out = [0] * len(self.tiers)
         for i, tier in enumerate(self.tiers):
             queued = tier.writer.holds(keys) if tier.writer is not None else None

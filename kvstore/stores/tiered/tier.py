@@ -20,9 +20,9 @@ from kvstore.buffers import BufferPool
 from kvstore.errors import StoreTimeoutError, StoreUnavailableError
 from kvstore.metrics.catalog import ERRORS, LATENCY
 from kvstore.stores.base import LeaseStream, Store
+from kvstore.stores.speed import LinkSpeed
 from kvstore.stores.tiered.breaker import CLOSED, CircuitBreaker
 from kvstore.stores.tiered.config import TieredConfig
-from kvstore.stores.tiered.speed import LinkSpeed
 from kvstore.stores.tiered.writer import Writer
 
 __all__ = ["Tier", "tier_names"]
