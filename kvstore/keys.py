@@ -31,13 +31,16 @@ from kvstore._version import FORMAT_VERSION
 from kvstore.errors import ConfigError
 from kvstore.types import array_view
 
-__all__ = ["FORMAT_VERSION", "KEY_PREFIX", "Namespace", "ChunkKey", "chunk_keys", "prefix_keys", "tokens_to_array",
+__all__ = ["FORMAT_VERSION", "KEY_STEM", "KEY_PREFIX", "Namespace", "ChunkKey", "chunk_keys", "prefix_keys", "tokens_to_array",
            "check_chunk_tokens", "split_key", "namespace_prefix", "TokenIds"]
 
-KEY_PREFIX = f"kvs{FORMAT_VERSION}"
+#: Every kvstore key, of any format version, starts with this (tools list all records by it).
+KEY_STEM = "kvs"
+#: Every key of this format version starts with this.
+KEY_PREFIX = f"{KEY_STEM}{FORMAT_VERSION}"
 _DIGEST_BYTES = 16  # 128-bit prefix hashes: collisions are astronomically rare and every hit is verified
-_KEY_RE = re.compile(r"^kvs(\d+)/([0-9a-f]{16})/([0-9a-f]{32})$")
-_NAMESPACE_RE = re.compile(r"^(?:kvs(\d+)/)?([0-9a-f]{16})/?$")
+_KEY_RE = re.compile(rf"^{KEY_STEM}(\d+)/([0-9a-f]{{16}})/([0-9a-f]{{32}})$")
+_NAMESPACE_RE = re.compile(rf"^(?:{KEY_STEM}(\d+)/)?([0-9a-f]{{16}})/?$")
 
 #: Token ids as callers hold them: a list, a numpy array or a torch tensor (anything ``numpy()``-able).
 TokenIds = Any
@@ -68,9 +71,9 @@ def namespace_prefix(text: str) -> str:
     m = _NAMESPACE_RE.match(text.strip().lower())
     if m is None:
         raise ConfigError(f"namespace {text!r} is not a namespace id; use the 16 hex digits that "
-                          f"`kvstore stats` shows (optionally as kvs{FORMAT_VERSION}/<id>)")
+                          f"`kvstore stats` shows (optionally as {KEY_PREFIX}/<id>)")
     version = int(m.group(1)) if m.group(1) else FORMAT_VERSION
-    return f"kvs{version}/{m.group(2)}/"
+    return f"{KEY_STEM}{version}/{m.group(2)}/"
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,7 @@ class Namespace:
     @property
     def key_prefix(self) -> str:
         """Every key of this namespace starts with this string (for listing and removal)."""
-        return f"kvs{self.format_version}/{self.id}/"
+        return f"{KEY_STEM}{self.format_version}/{self.id}/"
 
 
 @dataclass(frozen=True)
@@ -189,6 +192,7 @@ def chunk_keys(namespace: Namespace, tokens: TokenIds, *,
         digest = h[:_DIGEST_BYTES]
         out.append(ChunkKey(index, start, end, digest, partial, prefix + digest.hex()))
     return out
+
 
 def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int]) -> list[ChunkKey]:
     """The keys of every chunk of every prefix ``tokens[:e]`` for ``e`` in ``ends``, each once,

@@ -28,7 +28,7 @@ from kvstore.cli.tiers import (
     unavailable_as_error,
 )
 from kvstore.errors import CorruptRecordError
-from kvstore.keys import FORMAT_VERSION, namespace_prefix, split_key
+from kvstore.keys import FORMAT_VERSION, KEY_STEM, namespace_prefix, split_key
 from kvstore.record import decode_record, read_header
 
 
@@ -79,7 +79,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 # -- ls -------------------------------------------------------------------------------------------
 def cmd_ls(args: argparse.Namespace) -> int:
-    prefix = namespace_prefix(args.namespace) if args.namespace else "kvs"
+    prefix = namespace_prefix(args.namespace) if args.namespace else KEY_STEM
     listed = 0
     entries: list[dict[str, Any]] = []
     truncated = False

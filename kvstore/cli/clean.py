@@ -28,7 +28,7 @@ from kvstore.cli.tiers import (
 )
 from kvstore.config import parse_duration
 from kvstore.errors import ConfigError, CorruptRecordError
-from kvstore.keys import FORMAT_VERSION, namespace_prefix, split_key
+from kvstore.keys import FORMAT_VERSION, KEY_STEM, namespace_prefix, split_key
 from kvstore.record import decode_record, read_header
 
 
@@ -112,7 +112,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     older_than = parse_duration(args.older_than, name="--older-than") if args.older_than else None
     if args.batch < 1:
         raise ConfigError(f"--batch {args.batch} must be at least 1")
-    prefix = namespace_prefix(args.namespace) if args.namespace else "kvs"
+    prefix = namespace_prefix(args.namespace) if args.namespace else KEY_STEM
     now = time.time()
     tallies: list[GcTally] = []
     with open_tiers(args) as tiers:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import ConfigError
 
-__all__ = ["Role", "parse_role", "ROLE_NAMES"]
+__all__ = ["Role", "parse_role", "ROLE_NAMES", "KV_ROLE_NAMES"]
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,10 @@ _ROLES = {
     "producer": Role("producer", False, True),
     "consumer": Role("consumer", True, False),
 }
+#: vLLM's spellings (``kv_transfer_config.kv_role``): what V0 calls a KV-transfer instance's role.
+KV_ROLE_NAMES = tuple(f"kv_{n}" for n in _ROLES)
 #: Every accepted spelling (vLLM's ``kv_`` names included).
-ROLE_NAMES = tuple(_ROLES) + tuple(f"kv_{n}" for n in _ROLES)
+ROLE_NAMES = tuple(_ROLES) + KV_ROLE_NAMES
 
 
 def parse_role(name: str) -> Role:

@@ -19,7 +19,10 @@ from kvstore.record.codecs import CHAINS
 
 __all__ = ["AgentConfig"]
 
-_LAYOUT_NAMES = ("flash-2bnhd", "vllm-bhnc", "mla-bnl", "vllm-cpu-vec", "vllm-cpu-amx")
+#: The names of ``kvstore.paged.LAYOUTS``, spelled out because that module imports torch and this
+#: one must not (``kvstore.connectors.agent`` and the docs load it without torch); a test ties
+#: the two (``tests/test_vocabulary.py``).
+LAYOUT_NAMES = ("flash-2bnhd", "vllm-bhnc", "mla-bnl", "vllm-cpu-vec", "vllm-cpu-amx")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class AgentConfig:
     local_rank: int = option(0, help="Accepted for vLLM V0 compatibility; not used by the agent.")
     codec: str = option("raw", choices=tuple(CHAINS), help="Record codec.")
     kv_layout: str = option(
-        "", choices=("", *_LAYOUT_NAMES),
+        "", choices=("", *LAYOUT_NAMES),
         help="`kvstore.paged` layout of the KV cache; empty infers it for 5-d (`flash-2bnhd`) and 3-d "
         "(`mla-bnl`) caches; 4-d caches need it (`vllm-bhnc` or `vllm-cpu-vec`, which share a shape).")
     adapter: str = option("", help="Adapter (LoRA) id, part of the namespace.")
@@ -69,8 +72,8 @@ class AgentConfig:
                 raise ConfigError(f"{name}={value!r} must be a positive integer, at most {most}")
         if type(self.rank) is not int or not 0 <= self.rank < self.tp_size:
             raise ConfigError(f"rank={self.rank!r} must be an integer in [0, tp_size={self.tp_size})")
-        if self.kv_layout not in ("", *_LAYOUT_NAMES):
-            raise ConfigError(f"kv_layout={self.kv_layout!r}; accepted: {', '.join(_LAYOUT_NAMES)}")
+        if self.kv_layout not in ("", *LAYOUT_NAMES):
+            raise ConfigError(f"kv_layout={self.kv_layout!r}; accepted: {', '.join(LAYOUT_NAMES)}")
         if self.codec not in CHAINS:
             raise ConfigError(f"codec={self.codec!r}; accepted: {', '.join(CHAINS)}")
         check_range("auth_previous_window", self.auth_previous_window, 0.0, MAX_PREVIOUS_WINDOW)

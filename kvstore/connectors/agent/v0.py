@@ -36,11 +36,11 @@ from typing import Any
 
 from kvstore.connectors.agent.agent import KVStoreAgent
 from kvstore.connectors.agent.config import AgentConfig
+from kvstore.connectors.roles import KV_ROLE_NAMES
 from kvstore.errors import ConfigError
 
 __all__ = ["KVTransferAgent", "agent_config_from_vllm"]
 
-_V0_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 _FROM_ARGUMENTS = ("rank", "local_rank", "tp_size")
 
 
@@ -48,7 +48,7 @@ def _is_kv_transfer_instance(ktc: Any) -> bool:
     flag = getattr(ktc, "is_kv_transfer_instance", None)
     if isinstance(flag, bool):
         return flag
-    return getattr(ktc, "kv_connector", None) is not None and getattr(ktc, "kv_role", None) in _V0_ROLES
+    return getattr(ktc, "kv_connector", None) is not None and getattr(ktc, "kv_role", None) in KV_ROLE_NAMES
 
 
 def _fingerprint(model_config: Any) -> str:
@@ -102,7 +102,7 @@ class KVTransferAgent:
             raise ValueError("KVTransferConfig is not set in the VllmConfig, cannot initialize KVConnector.")
         if not _is_kv_transfer_instance(config.kv_transfer_config):
             raise ConfigError("KVTransferAgent should only be used when kv_connector is set "
-                              f"and kv_role is one of {', '.join(_V0_ROLES)} "
+                              f"and kv_role is one of {', '.join(KV_ROLE_NAMES)} "
                               f"(kv_role={getattr(config.kv_transfer_config, 'kv_role', None)!r})")
         self.connector = KVStoreAgent(agent_config_from_vllm(rank, local_rank, config))
 

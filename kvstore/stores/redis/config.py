@@ -23,10 +23,8 @@ from urllib.parse import unquote
 from kvstore.config import build, check_range, option, query_options, redact_url, split_url
 from kvstore.errors import ConfigError
 
-__all__ = ["RedisConfig", "SCHEMES", "DEFAULT_PORT"]
+__all__ = ["RedisConfig", "parse_scheme", "DEFAULT_PORT"]
 
-#: The schemes ``RedisConfig`` parses (the registry routes them to the two store classes).
-SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 DEFAULT_PORT = 6379
 MAX_DB = (1 << 31) - 1  # Redis's `databases` is an int
 MAX_TIMEOUT = 300.0  # seconds; a cache call that may wait longer is a hang, not a deadline
@@ -94,13 +92,11 @@ class RedisConfig:
         parts = split_url(url)
         scheme = parts.scheme.lower()
         where = redact_url(url)
-        if scheme not in SCHEMES:
-            raise ConfigError(f"{where!r} is not a Redis URL; accepted schemes: {', '.join(SCHEMES)}")
+        tls, cluster = parse_scheme(scheme, where)
         userinfo, _, hostinfo = parts.netloc.rpartition("@")
         username, _, password = userinfo.partition(":")
         fixed: dict[str, Any] = {
-            "username": unquote(username), "password": unquote(password),
-            "tls": scheme.startswith("rediss"), "cluster": scheme.endswith("+cluster"),
+            "username": unquote(username), "password": unquote(password), "tls": tls, "cluster": cluster,
         }
         options = query_options(url)
         if scheme == "unix":
@@ -128,6 +124,17 @@ class RedisConfig:
         scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
         hosts = ",".join(f"{h}:{p}" for h, p in self.hosts)
         return f"{scheme}://{user}{hosts}" + ("" if self.cluster else f"/{self.db}")
+
+
+def parse_scheme(scheme: str, where: str = "") -> tuple[bool, bool]:
+    """``(tls, cluster)`` of a Redis URL scheme, read from its grammar: ``redis`` or ``rediss``
+    (TLS), optionally ``+cluster``; or ``unix``. Which schemes are served, and by which class, is
+    the store registry's table (``kvstore.stores.registry.BACKENDS``); a test ties the two."""
+    base, plus, topology = scheme.partition("+")
+    if scheme == "unix" or (base in ("redis", "rediss") and (not plus or topology == "cluster")):
+        return base == "rediss", topology == "cluster"
+    raise ConfigError(f"{where or scheme + '://'!r} is not a Redis URL; accepted schemes: redis or rediss (TLS), "
+                      "optionally +cluster, or unix")
 
 
 def _parse_host(text: str, where: str) -> tuple[str, int]:
