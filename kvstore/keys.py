@@ -175,7 +175,7 @@ def chunk_keys(namespace: Namespace, tokens: TokenIds, *,
     n = int(arr.shape[0])
     step = namespace.chunk_tokens
     prefix = namespace.key_prefix
-    h = hashlib.sha256(b"kvstore-prefix-v1" + namespace.digest).digest()
+    h = _chain_seed(namespace)
     out: list[ChunkKey] = []
     data = array_view(arr).cast("B")
     for index, start in enumerate(range(0, n, step)):
@@ -185,13 +185,24 @@ def chunk_keys(namespace: Namespace, tokens: TokenIds, *,
         partial = end - start < step
         if partial and not include_partial:
             break
-        hasher = hashlib.sha256(h)
-        hasher.update(b"P" if partial else b"F")
-        hasher.update(data[start * 4:end * 4])
-        h = hasher.digest()
+        h = _link(h, data, start, end, partial)
         digest = h[:_DIGEST_BYTES]
         out.append(ChunkKey(index, start, end, digest, partial, prefix + digest.hex()))
     return out
+
+
+def _chain_seed(namespace: Namespace) -> bytes:
+    """The chain's value before its first chunk: the namespace alone."""
+    return hashlib.sha256(b"kvstore-prefix-v1" + namespace.digest).digest()
+
+
+def _link(h: bytes, data: memoryview, start: int, end: int, partial: bool) -> bytes:
+    """The chain's value after the chunk ``tokens[start:end]`` (``data``: the tokens' bytes,
+    4 per token) follows the chain value ``h``; a partial chunk is a leaf, never extended."""
+    hasher = hashlib.sha256(h)
+    hasher.update(b"P" if partial else b"F")
+    hasher.update(data[start * 4:end * 4])
+    return hasher.digest()
 
 
 def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int]) -> list[ChunkKey]:
@@ -205,26 +216,20 @@ def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int]) -> 
         return []
     step = namespace.chunk_tokens
     prefix = namespace.key_prefix
-    h = hashlib.sha256(b"kvstore-prefix-v1" + namespace.digest).digest()
+    h = _chain_seed(namespace)
     out: list[ChunkKey] = []
     data = array_view(arr).cast("B")
     top = wanted[-1]
     for index, start in enumerate(range(0, top, step)):
         full_end = start + step
         # Partial chunks of the ends inside this chunk branch off the chain; only a whole chunk
-        # extends it (the same hashing as ``chunk_keys``).
+        # extends it.
         for end in (e for e in wanted if start < e < full_end):
-            hasher = hashlib.sha256(h)
-            hasher.update(b"P")
-            hasher.update(data[start * 4:end * 4])
-            digest = hasher.digest()[:_DIGEST_BYTES]
+            digest = _link(h, data, start, end, True)[:_DIGEST_BYTES]
             out.append(ChunkKey(index, start, end, digest, True, prefix + digest.hex()))
         if full_end > top:
             break
-        hasher = hashlib.sha256(h)
-        hasher.update(b"F")
-        hasher.update(data[start * 4:full_end * 4])
-        h = hasher.digest()
+        h = _link(h, data, start, full_end, False)
         digest = h[:_DIGEST_BYTES]
         out.append(ChunkKey(index, start, full_end, digest, False, prefix + digest.hex()))
     return out
