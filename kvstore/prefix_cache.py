@@ -14,6 +14,12 @@ bytes to place (``load``'s sink). Its promises:
   is missing or fails. The record handed to the sink is valid only during that call. A failed
   record is counted, deleted from the store (best effort) and becomes a miss; a store outage
   is a miss. ``load`` never raises a storage or record error.
+* **Healing.** A cache remembers (a bounded set) the chunks whose record a load rejected; the
+  next ``save`` that covers one writes from it on unconditionally, whatever the pre-check or
+  ``from_token`` says is stored: the damaged record and every later chunk of that save (a bad
+  writer or node damages runs of records, and a deleted record may have failed to go) are
+  replaced by the recompute, so the next reader hits the whole prefix. Counted in
+  ``kvstore_heals_total`` (chunks rewritten that way).
 * ``save`` writes the chunks ending after ``from_token`` (a caller that knows how far the
   prefix is stored says so: no lookup), or, without it, those after the stored prefix (one
   pre-check, counted in ``kvstore_save_checks_total``, not as a lookup); it encodes each record as pieces (its header
@@ -29,7 +35,9 @@ bytes to place (``load``'s sink). Its promises:
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -46,6 +54,8 @@ from kvstore.types import Buffer
 __all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "stored_by_tier"]
 
 log = logging.getLogger(__name__)
+
+_REJECTED_MAX = 4096  # chunk keys a cache remembers as rejected until a save rewrites them
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,9 @@ class PrefixCache:
         if itemsize is None:
             raise ConfigError(f"kv_dtype={namespace.kv_dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
         self.chain = resolve_chain(codec, itemsize)
+        # Chunks a load rejected (oldest first): saves rewrite from them on (see "Healing").
+        self._rejected: OrderedDict[str, None] = OrderedDict()
+        self._rejected_lock = threading.Lock()
 
     @property
     def chunk_tokens(self) -> int:
@@ -221,6 +234,7 @@ class PrefixCache:
         except CorruptRecordError as exc:
             metrics.CORRUPT.inc(reason=exc.reason)
             log.warning("discarding stored record %s: %s", chunk.key, exc)
+            self._remember_rejected(chunk.key)
             self._discard(chunk.key)
             result.reason = "corrupt"
             return False
@@ -247,7 +261,9 @@ class PrefixCache:
         later one is written, whether stored or not (a caller that knows how far the prefix is
         stored, or that wants a bad stretch rewritten, says where to start). Without it, with
         ``skip_stored``, one pre-check finds the stored leading chunks and skips those; with
-        neither, every chunk is written. ``payload`` is called only for chunks written.
+        neither, every chunk is written. A chunk whose record a load of this cache rejected is
+        written in any case, and so is every chunk after it (module docstring: "Healing").
+        ``payload`` is called only for chunks written.
         """
         ns = namespace or self.namespace
         if not keys:
@@ -259,6 +275,9 @@ class PrefixCache:
             first = self._stored_prefix(keys)
         else:
             first = 0
+        heal = self._first_rejected(keys)
+        if heal is not None:
+            first = min(first, heal)
         if first >= len(keys):
             return 0
         arr = tokens_to_array(tokens)
@@ -293,6 +312,9 @@ class PrefixCache:
         items = made
         if items:
             metrics.TOKENS_SAVED.inc(keys[-1].end - keys[first].start)
+        if heal is not None and items:
+            self._forget_rejected(keys[heal:])
+            metrics.HEALS.inc(len(keys) - heal)
         metrics.LATENCY.observe(time.perf_counter() - start, op="save")
         return len(items)
 
@@ -304,6 +326,25 @@ class PrefixCache:
         except KVStoreError as exc:
             log.debug("save pre-check failed: %s", exc)
             return 0
+
+    def _remember_rejected(self, key: str) -> None:
+        with self._rejected_lock:
+            self._rejected[key] = None
+            self._rejected.move_to_end(key)
+            while len(self._rejected) > _REJECTED_MAX:
+                self._rejected.popitem(last=False)
+
+    def _first_rejected(self, keys: Sequence[ChunkKey]) -> int | None:
+        """The index of the first of ``keys`` a load rejected, if any."""
+        with self._rejected_lock:
+            if not self._rejected:
+                return None
+            return next((i for i, k in enumerate(keys) if k.key in self._rejected), None)
+
+    def _forget_rejected(self, keys: Sequence[ChunkKey]) -> None:
+        with self._rejected_lock:
+            for k in keys:
+                self._rejected.pop(k.key, None)
 
     def _discard(self, key: str) -> None:
         try:

@@ -174,6 +174,41 @@ def test_corrupted_record_is_a_miss(store_url):
     assert bytes(fixed) != bytes(damaged) and decode_record(fixed).header.num_tokens == 32
 
 
+@pytest.mark.parametrize("delete_fails", [False, True])
+def test_every_damaged_chunk_of_a_prefix_heals(store_url, monkeypatch, delete_fails):
+    """Every chunk of two prompts damaged (a flipped byte; every key holding its neighbour's
+    valid record): the first reader recomputes with the same tokens and its save replaces every
+    damaged chunk, not only the first one it met, even when deleting the bad record failed (the
+    pre-check then sees every chunk stored); the next reader loads every token."""
+    from kvstore.metrics.catalog import HEALS
+
+    p1, p2 = prompt(160, 21), prompt(150, 22)
+    writer = make_agent(store_url)
+    ModelRunner(CFG, writer).generate([p1], 4)
+    ModelRunner(CFG, writer).generate([p2], 4)
+    keys1, values1 = _stored_records(writer, p1)
+    keys2, values2 = _stored_records(writer, p2)
+    assert len(keys1) == len(keys2) == 5
+    for k in keys1:
+        flip_byte(writer.store, k.key, offset=-9)
+    for k, neighbour in zip(keys2, values2[1:] + values2[:1]):
+        writer.store.put(k.key, neighbour)
+    writer.close()
+    ref = baseline([p1, p2])
+
+    reader = make_agent(store_url)
+    if delete_fails:
+        monkeypatch.setattr(reader.store, "delete", lambda key: None)
+    healed = HEALS.total()
+    first = [ModelRunner(CFG, reader).generate([p], 8) for p in (p1, p2)]
+    assert [r.tokens[0] for r in first] == ref.tokens and [r.tokens_loaded for r in first] == [0, 0]
+    assert HEALS.total() - healed == len(keys1) + len(keys2)
+    reader.close()
+    second = [ModelRunner(CFG, make_agent(store_url)).generate([p], 8) for p in (p1, p2)]
+    assert [r.tokens[0] for r in second] == ref.tokens
+    assert [r.tokens_loaded for r in second] == [len(p1), len(p2)] and all(r.bypassed for r in second)
+
+
 def test_hidden_state_of_another_size_is_a_miss_not_an_engine_error(store_url):
     # Two engines that differ only in hidden_size but were given the same fingerprint share a
     # namespace (their KV shapes agree); the writer's hidden states do not fit the reader's model.

@@ -20,6 +20,7 @@ __all__ = [
     "TOKENS_LOADED",
     "TOKENS_SAVED",
     "CORRUPT",
+    "HEALS",
     "LATENCY",
     "LOAD_DECISIONS",
     "BYTES_READ",
@@ -53,6 +54,9 @@ MISSES = REGISTRY.counter("kvstore_misses_total", "Chunks looked up but not load
 TOKENS_LOADED = REGISTRY.counter("kvstore_tokens_loaded_total", "Tokens whose KV was loaded into an engine.")
 TOKENS_SAVED = REGISTRY.counter("kvstore_tokens_saved_total", "Tokens whose KV was written to the store.")
 CORRUPT = REGISTRY.counter("kvstore_corrupt_records_total", "Records rejected by validation, by reason.", ("reason",))
+HEALS = REGISTRY.counter("kvstore_heals_total",
+                         "Chunks rewritten because a load had rejected the record of that chunk or of an earlier "
+                         "one of the same prefix (the rejected chunk and every later chunk of the save).")
 LATENCY = REGISTRY.histogram("kvstore_op_seconds", "Latency of cache operations.", ("op",))
 
 # -- tiers: bytes, errors, the circuit breaker, the write queues ----------------------------------
