@@ -10,8 +10,11 @@ parameter, a repeated one or a value that does not convert is a ``ConfigError`` 
 what is accepted. Numbers are ASCII digits only (``int()`` alone would take other scripts'
 digits and ``1_000``), finite, and integers are never silently truncated; sizes are at most
 ``MAX_SIZE`` and durations at most ``MAX_DURATION`` (each options class narrows its own ranges
-with ``check_range``). URLs with control characters are rejected (``check_url``): Python's URL
-parser silently drops CR, LF and tabs, so the operator would get another value than written.
+with ``check_range``, or declare it: ``option(..., lo=, hi=)``, checked by ``build`` and by
+``check_options`` from a dataclass's ``__post_init__``, so direct construction is checked too).
+No text value may hold a control character: URLs (``check_url``: Python's URL parser silently
+drops CR, LF and tabs, so the operator would get another value than written) and every other
+option alike (``"1h\\r\\n"`` is not ``1h``).
 Fields marked ``secret=True`` are hidden from ``repr``; ``safe_repr`` also
 redacts passwords in URL fields. ``kvstore.docs`` renders the reference tables from the same
 metadata, so the documentation cannot drift from the code.
@@ -107,12 +110,43 @@ def parse_duration(text: str | float, *, name: str = "duration") -> float:
     return value
 
 
-def check_range(name: str, value: float, lo: float, hi: float, *, unit: str = "") -> None:
-    """``ConfigError`` unless ``lo <= value <= hi`` (NaN never is), naming the value and the range."""
+def check_range(name: str, value: float, lo: float, hi: float, *, unit: str = "", given: Any = None) -> None:
+    """``ConfigError`` unless ``lo <= value <= hi`` (NaN never is), naming the value (``given``:
+    as the user wrote it, when ``value`` was converted from it) and the range."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
         def show(x: float) -> str:
             return str(x) if isinstance(x, int) else f"{x:g}"
-        raise ConfigError(f"{name}={value!r} is out of range; accepted: {show(lo)} to {show(hi)}{unit}")
+        shown = repr(value) if given is None or given == value else f"{given!r} ({show(value)}{unit})"
+        raise ConfigError(f"{name}={shown} is out of range; accepted: {show(lo)} to {show(hi)}{unit}")
+
+
+def check_text(name: str, text: str) -> None:
+    """``ConfigError`` if the option ``name``'s value ``text`` holds a control character."""
+    bad = next((ch for ch in text if unicodedata.category(ch) == "Cc"), None)
+    if bad is not None:
+        raise ConfigError(f"{name}={text!r} holds the control character {bad!r}; accepted: printable characters only")
+
+
+def check_options(obj: Any) -> None:
+    """Check every field of the options dataclass ``obj`` against its declaration: text without
+    control characters (URLs: ``check_url``), numbers within ``option(lo=, hi=)``. For
+    ``__post_init__``, so options built directly are held to what ``build`` enforces."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        meta: Mapping[str, Any] = f.metadata or {}
+        if meta.get("kind") == "urls":
+            for url in (value,) if isinstance(value, str) else value:
+                if isinstance(url, str):
+                    check_url(url, name=f.name)
+        elif isinstance(value, str):
+            check_text(f.name, value)
+        elif isinstance(value, tuple):
+            for item in value:
+                if isinstance(item, str):
+                    check_text(f.name, item)
+        bounds = meta.get("range")
+        if bounds is not None and value is not None:
+            check_range(f.name, value, *bounds, unit=meta.get("unit", ""))
 
 
 def check_url(url: str, *, name: str = "store URL") -> None:
@@ -152,6 +186,7 @@ def split_urls(text: str) -> list[str]:
 def parse_urls(raw: Any, *, name: str = "store") -> tuple[str, ...]:
     """A URL, a string of URLs (``split_urls``) or a list of URL strings, as a tuple."""
     if isinstance(raw, str):
+        check_url(raw, name=name)  # before splitting: whitespace control characters would split it
         urls = split_urls(raw)
     elif isinstance(raw, (list, tuple)):
         urls = list(raw)
@@ -169,12 +204,24 @@ def convert(cls: type, field: dataclasses.Field[Any], raw: Any) -> Any:
     """Convert one raw option value to the type declared by ``field`` of dataclass ``cls``."""
     kind = field.metadata.get("kind")
     name = field.name
+    if kind == "urls":
+        return parse_urls(raw, name=name)
+    if isinstance(raw, str):
+        check_text(name, raw)
+    value = _convert(cls, field, raw)
+    bounds = field.metadata.get("range")
+    if bounds is not None and value is not None:
+        check_range(name, value, *bounds, unit=field.metadata.get("unit", ""), given=raw)
+    return value
+
+
+def _convert(cls: type, field: dataclasses.Field[Any], raw: Any) -> Any:
+    kind = field.metadata.get("kind")
+    name = field.name
     if kind == "size":
         return parse_size(raw, name=name)
     if kind == "duration":
         return parse_duration(raw, name=name)
-    if kind == "urls":
-        return parse_urls(raw, name=name)
     hint = typing.get_type_hints(cls)[name]
     origin = typing.get_origin(hint)
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -286,13 +333,21 @@ def redact_url(url: str) -> str:
 
 def option(default: Any = dataclasses.MISSING, *, kind: str | None = None, secret: bool = False,
            choices: tuple[Any, ...] | None = None, help: str = "", internal: bool = False,
-           factory: Any = dataclasses.MISSING) -> Any:
+           factory: Any = dataclasses.MISSING, lo: float | None = None, hi: float | None = None,
+           unit: str = "") -> Any:
     """A dataclass field with kvstore option metadata (``help`` feeds the config reference).
 
     ``internal`` fields are set by code (from a URL's host, say), never by a user option;
     ``factory`` makes a fresh default (a dict) per instance, like ``field(default_factory=)``.
+    ``lo``/``hi``: the accepted range of a number (both given, or neither), in ``unit`` for
+    messages and the reference (``"s"`` for durations, ``" bytes"`` for sizes).
     """
-    meta = {"kind": kind, "secret": secret, "choices": choices, "help": help, "internal": internal}
+    if (lo is None) != (hi is None):
+        raise TypeError("option(): give both lo and hi, or neither")
+    if unit == "" and kind in ("size", "duration"):
+        unit = " bytes" if kind == "size" else " s"
+    meta = {"kind": kind, "secret": secret, "choices": choices, "help": help, "internal": internal,
+            "range": None if lo is None else (lo, hi), "unit": unit}
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, repr=not secret, metadata=meta)
     return dataclasses.field(default=default, repr=not secret, metadata=meta)

@@ -96,6 +96,17 @@ def _default(f: dataclasses.Field[Any]) -> str:
     return f"`{value}`"
 
 
+def _number(value: float, meta: Mapping[str, Any]) -> str:
+    """A range end as the reference shows it: sizes in their largest whole binary unit, durations in s."""
+    if meta.get("kind") == "size":
+        for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if value and value % size == 0:
+                return f"`{int(value) // size}{unit}`"
+    if meta.get("kind") == "duration":
+        return f"`{value:g}s`"
+    return f"`{value:g}`" if isinstance(value, float) else f"`{value}`"
+
+
 def options_table(cls: type, *, skip: tuple[str, ...] = (), required: tuple[str, ...] = ()) -> list[str]:
     """Markdown rows ``| name | type | default | meaning |`` for the settable fields of ``cls``."""
     rows = ["| option | type | default | meaning |", "|---|---|---|---|"]
@@ -109,6 +120,9 @@ def options_table(cls: type, *, skip: tuple[str, ...] = (), required: tuple[str,
         choices = meta.get("choices")
         if choices:
             help_text += " Accepted: " + ", ".join(f"`{c}`" if c != "" else "(empty)" for c in choices) + "."
+        bounds = meta.get("range")
+        if bounds is not None:
+            help_text += f" Accepted: {_number(bounds[0], meta)} to {_number(bounds[1], meta)}."
         default = "required" if f.name in required else _default(f)
         rows.append(f"| `{f.name}` | {_type_name(cls, f)} | {default} | {_cell(help_text)} |")
     return rows

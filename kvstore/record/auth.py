@@ -233,5 +233,5 @@ def key_env_option() -> Any:
 
 
 def previous_window_option() -> Any:
-    return option(86400.0, kind="duration", help="How long after start-up records signed with a previous key are "
+    return option(86400.0, kind="duration", lo=0.0, hi=MAX_PREVIOUS_WINDOW, help="How long after start-up records signed with a previous key are "
                   "still loaded (at most 30 days).")

@@ -1,0 +1,40 @@
+"""The options every engine adapter offers, defined once (``kvstore.connectors.agent.config``
+and ``kvstore.connectors.vllm.options`` both declare their fields with these): the same name
+means the same help, default, type and accepted range in both. The authentication options live
+beside the keys (``kvstore.record.auth``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvstore.config import option
+from kvstore.record.codecs import CHAINS
+
+__all__ = ["MAX_CHUNK_TOKENS", "store_option", "chunk_tokens_option", "codec_option"]
+
+#: The most tokens a record may cover (a million: longer than any model's context).
+MAX_CHUNK_TOKENS = 1 << 20
+
+
+def store_option() -> Any:
+    return option(
+        (), kind="urls", help="Store URLs, fastest tier first (a list, or one string of URLs separated by spaces or "
+        'commas), e.g. ["memory://?max_bytes=4GiB", "redis://host:6379/0", "s3://bucket/kv?endpoint_url=..."]. '
+        "Several URLs build a tiered store: local tiers are written synchronously, shared tiers in the "
+        "background. Required.")
+
+
+def chunk_tokens_option() -> Any:
+    return option(
+        256, lo=1, hi=MAX_CHUNK_TOKENS,
+        help="Tokens per stored record; a positive multiple of the engine's block size. Larger chunks "
+        "mean fewer, bigger records; a prefix is only reusable in whole chunks (plus a final partial "
+        "chunk of whole blocks).")
+
+
+def codec_option() -> Any:
+    return option(
+        "raw", choices=tuple(CHAINS),
+        help="Compression of the KV bytes in each record. 'raw' is fastest on loopback and LAN; "
+        "'shuffle-lz4' saves ~15% on bf16 KV.")
