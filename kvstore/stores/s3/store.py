@@ -1,4 +1,4 @@
-"""``s3://bucket/prefix`` — an S3 (or S3-compatible) store on boto3.
+"""``s3://bucket/prefix`` — an S3 (or S3-compatible) store on boto3 (options: ``config``).
 
 One object per key, under ``prefix``. Batch operations run in parallel on bounded thread pools
 (``max_workers`` threads each, also the size of each boto3 connection pool): S3 answers each
@@ -20,22 +20,16 @@ roles); they are never part of the URL or the config, so never in ``repr`` or lo
 
 S3's own checksums are off (``when_required``): every record carries its own checksum, verified
 when it is decoded, and S3 over TLS already protects the transfer.
-
-URL: ``s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000&region=us-east-1&max_workers=16
-&deadline=2s&timeout=1s&connect_timeout=500ms&retries=1&write_timeout=30s&addressing_style=path&profile=NAME``.
 """
 
 from __future__ import annotations
 
-import io
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import boto3
@@ -43,10 +37,11 @@ import botocore.exceptions
 import numpy as np
 from botocore.config import Config as BotoConfig
 
-from kvstore.buffers import BufferPool, Lease, Pieces, borrow
-from kvstore.config import build, check_range, option, query_options, redact_url, split_url
+from kvstore.buffers import BufferPool, borrow
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
+from kvstore.stores.s3.bodies import Fetch, abandon, object_size, request_body
+from kvstore.stores.s3.config import S3Config
 from kvstore.types import array_view
 
 T = TypeVar("T")
@@ -54,115 +49,12 @@ R = TypeVar("R")
 
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
 _DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
-MAX_TIMEOUT = 300.0
-_BUCKET = re.compile(r"^[A-Za-z0-9._-]{1,255}$", re.ASCII)  # S3's rules, and the legacy names AWS still serves
+_LEASE_WAIT = 0.05  # seconds a GET waits for pool space before receiving into a buffer of its own
 _TIMEOUTS = (botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectTimeoutError)
-
-
-@dataclass(frozen=True)
-class S3Config:
-    bucket: str = option(internal=True)
-    prefix: str = option("", internal=True, help="Key prefix inside the bucket (the URL path).")
-    endpoint_url: str = option("", help="S3-compatible endpoint (MinIO, Ceph, rclone...); empty for AWS.")
-    region: str = option("", help="Region; empty takes boto3's default chain.")
-    profile: str = option("", help="Named profile from the shared AWS config files.")
-    addressing_style: str = option("", choices=("", "auto", "path", "virtual"),
-                                   help="Bucket in the path or the host name; default path with endpoint_url.")
-    max_workers: int = option(16, help="Parallel requests: threads and connections for reads, and as many for writes.")
-    deadline: float = option(
-        2.0, kind="duration", help="Longest one read, lookup or delete call may take, retries included (the engine's "
-        "critical path); then it is a miss and the circuit breaker skips the tier.")
-    timeout: float = option(1.0, kind="duration", help="Deadline of each socket read of a read, lookup or delete attempt.")
-    connect_timeout: float = option(0.5, kind="duration", help="Deadline to connect.")
-    write_timeout: float = option(30.0, kind="duration", help="Deadline of each socket read of a background upload.")
-    retries: int = option(1, help="Retries of a failed request (boto3 standard mode), 0 to 10; reads retry only "
-                                  "within deadline.")
-    part_size: int = option(8 << 20, kind="size", help="Objects larger than this are read in parallel ranged GETs of "
-                                                       "this size (1MiB to 1GiB).")
-
-    def __post_init__(self) -> None:
-        if not self.bucket:
-            raise ConfigError("s3:// needs a bucket: s3://bucket/prefix")
-        if not _BUCKET.match(self.bucket):
-            raise ConfigError(f"bucket {self.bucket!r} is not an S3 bucket name (letters, digits, dots, hyphens "
-                              "and underscores)")
-        check_range("max_workers", self.max_workers, 1, 256)
-        check_range("retries", self.retries, 0, 10)
-        check_range("part_size", self.part_size, 1 << 20, 1 << 30)
-        for name in ("deadline", "timeout", "connect_timeout", "write_timeout"):
-            value = getattr(self, name)
-            if not 0 < value <= MAX_TIMEOUT:  # NaN fails too
-                raise ConfigError(f"{name}={value!r} is out of range; accepted: more than 0 and at most "
-                                  f"{MAX_TIMEOUT:g}s (every remote call has a deadline)")
-        if self.endpoint_url:
-            endpoint = split_url(self.endpoint_url, name="endpoint_url")
-            try:
-                endpoint.port  # noqa: B018  (a property: raises for a port that is not a number)
-            except ValueError as exc:
-                raise ConfigError(f"endpoint_url={self.endpoint_url!r} is not a valid URL: {exc}") from None
-            if endpoint.scheme not in ("http", "https") or not endpoint.hostname:
-                raise ConfigError(f"endpoint_url={self.endpoint_url!r} must be an http:// or https:// URL with a host")
-
-    @classmethod
-    def from_url(cls, url: str) -> S3Config:
-        parts = split_url(url)
-        if parts.scheme.lower() != "s3":
-            raise ConfigError(f"{redact_url(url)!r} is not an s3:// URL")
-        if "@" in parts.netloc:
-            raise ConfigError("s3:// URLs take no credentials: boto3's standard chain provides them "
-                              "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ~/.aws, ?profile=, instance roles)")
-        prefix = parts.path.lstrip("/")
-        if prefix and not prefix.endswith("/"):
-            prefix += "/"
-        return build(cls, query_options(url), where="s3://", bucket=parts.netloc, prefix=prefix)
 
 
 class _Missing(Exception):
     """Internal: the object does not exist (a miss, never raised to callers)."""
-
-
-_LEASE_WAIT = 0.05  # seconds a GET waits for pool space before receiving into a buffer of its own
-
-
-class _Fetch:
-    """One value being received by ``get_into``: its lease and the ranged GETs still filling it."""
-
-    def __init__(self, lease: Lease, parts: list[Future[None]]) -> None:
-        self.lease = lease
-        self.parts = parts
-
-    def release(self, wait_for: float = 0.0) -> None:
-        """Give the lease back once no GET writes into it: pending ones are cancelled, running
-        ones are waited for up to ``wait_for`` seconds, and release it when the last of them
-        ends if they are still running then."""
-        running = [p for p in self.parts if not p.cancel() and not p.done()]
-        if running and wait_for > 0:
-            wait(running, timeout=wait_for)
-            running = [p for p in running if not p.done()]
-        if not running:
-            self.lease.release()
-            return
-        left = [len(running)]
-        lock = threading.Lock()
-
-        def one_done(_: Future[None]) -> None:
-            with lock:
-                left[0] -= 1
-                last = left[0] == 0
-            if last:
-                self.lease.release()
-
-        for p in running:
-            p.add_done_callback(one_done)
-
-
-def _abandon(first: Future[_Fetch | None]) -> None:
-    """A value the consumer never took: release it whenever its first GET ends."""
-    if first.cancelled() or first.exception() is not None:
-        return
-    fetch = first.result()
-    if fetch is not None:
-        fetch.release()
 
 
 def _error_code(exc: BaseException | None) -> str:
@@ -171,71 +63,10 @@ def _error_code(exc: BaseException | None) -> str:
     return ""
 
 
-def _object_size(content_range: str | None, length: int) -> int:
-    """The whole object's size from a ranged GET's ``Content-Range: bytes 0-N/SIZE`` (a server
-    that ignores the range sends the whole object: then its length)."""
-    if not content_range:
-        return length
-    total = content_range.rpartition("/")[2]
-    if not total.isdigit() or int(total) < length:
-        raise StoreUnavailableError(f"unexpected Content-Range {content_range!r} for {length} bytes")
-    return int(total)
-
-
 def _is_missing(exc: botocore.exceptions.ClientError) -> bool:
     err = exc.response.get("Error", {})
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return str(err.get("Code")) in _MISSING_CODES or status == 404
-
-
-class _PiecesBody(io.RawIOBase):
-    """A ``Pieces`` value as the seekable file botocore streams a body from (no join)."""
-
-    def __init__(self, pieces: Pieces) -> None:
-        self._parts = pieces.parts
-        self._size = pieces.nbytes
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, min(self._size, base + offset))
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        written, start = 0, 0
-        for part in self._parts:
-            end = start + len(part)
-            if self._pos < end and written < len(out):
-                lo = self._pos - start
-                n = min(len(part) - lo, len(out) - written)
-                out[written:written + n] = part[lo:lo + n]
-                written += n
-                self._pos += n
-            start = end
-        return written
-
-
-def _body(value: WriteValue) -> bytes | bytearray | _PiecesBody:
-    """``value`` in a form botocore sends as is; it takes bytes, bytearray and files, not memoryview."""
-    if isinstance(value, Pieces):
-        return _PiecesBody(value)
-    if isinstance(value, (bytes, bytearray)):
-        return value
-    view = memoryview(value)
-    base = view.obj
-    if isinstance(base, (bytes, bytearray)) and view.contiguous and view.nbytes == len(base):
-        return base  # a view of a whole buffer: send the buffer itself
-    return view.tobytes()
 
 
 class S3Store(Store):
@@ -361,7 +192,7 @@ class S3Store(Store):
             raise
 
     def put(self, key: str, value: WriteValue) -> None:
-        self._call(self._write_client().put_object, Key=self._key(key), Body=_body(value))
+        self._call(self._write_client().put_object, Key=self._key(key), Body=request_body(value))
 
     def _write_client(self) -> Any:
         if self._writes is None:
@@ -409,7 +240,7 @@ class S3Store(Store):
         released only once no request writes into it any more, however the stream ends."""
         keys = list(keys)
         window = self.config.max_workers  # values in flight ahead of the consumer: bounds the leased bytes
-        firsts: list[Future[_Fetch | None]] = []
+        firsts: list[Future[Fetch | None]] = []
         ends: list[float] = []  # each value's deadline, from when its first GET was sent
         handed = 0  # values yielded: the consumer owns (and releases) their leases
         try:
@@ -438,7 +269,7 @@ class S3Store(Store):
                     if fetch is not None:
                         fetch.release(wait_for=max(0.0, end - time.monotonic()))
                 else:
-                    first.add_done_callback(_abandon)
+                    first.add_done_callback(abandon)
 
     def _submit(self, pool: ThreadPoolExecutor, fn: Callable[..., R], *args: Any) -> Future[R]:
         try:
@@ -454,7 +285,7 @@ class S3Store(Store):
         except CancelledError:  # cancelled by close()
             raise self._unavailable("closed while reading") from None
 
-    def _first_part(self, key: str, pool: BufferPool, reads: ThreadPoolExecutor) -> _Fetch | None:
+    def _first_part(self, key: str, pool: BufferPool, reads: ThreadPoolExecutor) -> Fetch | None:
         """GET of ``key``'s first ``part_size`` bytes into a lease of its whole size; the other
         parts' GETs submitted (not waited for: a pool thread never waits on the pool)."""
         part = self.config.part_size
@@ -465,16 +296,16 @@ class S3Store(Store):
         except StoreUnavailableError as exc:
             if _error_code(exc.__cause__) != "InvalidRange":
                 raise
-            return _Fetch(borrow(bytearray()), [])  # an empty object: the record decoder says what it is
+            return Fetch(borrow(bytearray()), [])  # an empty object: the record decoder says what it is
         body = response["Body"]
         try:
             length = int(response["ContentLength"])
-            size = _object_size(response.get("ContentRange"), length)
+            size = object_size(response.get("ContentRange"), length)
             lease = pool.lease(size, wait=_LEASE_WAIT) or borrow(array_view(np.empty(size, np.uint8)))
         except BaseException:
             body.close()
             raise
-        fetch = _Fetch(lease, [])
+        fetch = Fetch(lease, [])
         try:
             self._read_body(body, lease.view[:length])
             etag = response.get("ETag")

@@ -1,0 +1,116 @@
+"""The bytes of S3 requests and replies: a value sent as the file botocore streams a body from
+(``request_body``, no join of a value in pieces), and a value received by ranged GETs into one
+lease (``Fetch``), released only once no GET writes into it any more."""
+
+from __future__ import annotations
+
+import io
+import threading
+from concurrent.futures import Future, wait
+from typing import Any
+
+from kvstore.buffers import Lease, Pieces
+from kvstore.errors import StoreUnavailableError
+from kvstore.stores.base import WriteValue
+
+
+class PiecesBody(io.RawIOBase):
+    """A ``Pieces`` value as the seekable file botocore streams a body from (no join)."""
+
+    def __init__(self, pieces: Pieces) -> None:
+        self._parts = pieces.parts
+        self._size = pieces.nbytes
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, min(self._size, base + offset))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        written, start = 0, 0
+        for part in self._parts:
+            end = start + len(part)
+            if self._pos < end and written < len(out):
+                lo = self._pos - start
+                n = min(len(part) - lo, len(out) - written)
+                out[written:written + n] = part[lo:lo + n]
+                written += n
+                self._pos += n
+            start = end
+        return written
+
+
+def request_body(value: WriteValue) -> bytes | bytearray | PiecesBody:
+    """``value`` in a form botocore sends as is; it takes bytes, bytearray and files, not memoryview."""
+    if isinstance(value, Pieces):
+        return PiecesBody(value)
+    if isinstance(value, (bytes, bytearray)):
+        return value
+    view = memoryview(value)
+    base = view.obj
+    if isinstance(base, (bytes, bytearray)) and view.contiguous and view.nbytes == len(base):
+        return base  # a view of a whole buffer: send the buffer itself
+    return view.tobytes()
+
+
+class Fetch:
+    """One value being received by ``get_into``: its lease and the ranged GETs still filling it."""
+
+    def __init__(self, lease: Lease, parts: list[Future[None]]) -> None:
+        self.lease = lease
+        self.parts = parts
+
+    def release(self, wait_for: float = 0.0) -> None:
+        """Give the lease back once no GET writes into it: pending ones are cancelled, running
+        ones are waited for up to ``wait_for`` seconds, and release it when the last of them
+        ends if they are still running then."""
+        running = [p for p in self.parts if not p.cancel() and not p.done()]
+        if running and wait_for > 0:
+            wait(running, timeout=wait_for)
+            running = [p for p in running if not p.done()]
+        if not running:
+            self.lease.release()
+            return
+        left = [len(running)]
+        lock = threading.Lock()
+
+        def one_done(_: Future[None]) -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self.lease.release()
+
+        for p in running:
+            p.add_done_callback(one_done)
+
+
+def abandon(first: Future[Fetch | None]) -> None:
+    """A value the consumer never took: release it whenever its first GET ends."""
+    if first.cancelled() or first.exception() is not None:
+        return
+    fetch = first.result()
+    if fetch is not None:
+        fetch.release()
+
+
+def object_size(content_range: str | None, length: int) -> int:
+    """The whole object's size from a ranged GET's ``Content-Range: bytes 0-N/SIZE`` (a server
+    that ignores the range sends the whole object: then its length)."""
+    if not content_range:
+        return length
+    total = content_range.rpartition("/")[2]
+    if not total.isdigit() or int(total) < length:
+        raise StoreUnavailableError(f"unexpected Content-Range {content_range!r} for {length} bytes")
+    return int(total)
