@@ -176,7 +176,9 @@ def test_namespace_separates_everything_that_changes_kv_bytes():
 
 
 def fake_vllm_config(*, pp=1, tp=1, groups=1, cache_dtype="auto"):
-    spec = SimpleNamespace(block_size=BS, dtype=torch.bfloat16, head_size=64)
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     group = SimpleNamespace(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(4)])
     vllm_config = SimpleNamespace(
         model_config=SimpleNamespace(model="/models/tiny", dtype=torch.bfloat16, revision=None, quantization=None,
@@ -200,8 +202,8 @@ def test_engine_facts_pick_the_cpu_packed_layout_on_this_host():
     assert engine_facts(*fake_vllm_config(), parse_options({"store": "memory://", "model_id": "m"})).model == "m"
     with pytest.raises(ConfigError, match="pipeline parallelism"):
         engine_facts(*fake_vllm_config(pp=2), opts)
-    with pytest.raises(ConfigError, match="one KV cache group"):
-        engine_facts(*fake_vllm_config(groups=2), opts)
+    two = engine_facts(*fake_vllm_config(groups=2), opts)  # kept apart (tests/test_vllm_groups.py)
+    assert [g.kind for g in two.kv_groups] == ["full", "full"] and two.restorable
 
 
 # -- scheduler -> metadata -> worker, without an engine ---------------------------------------
@@ -320,7 +322,7 @@ def test_save_then_load_through_the_connector(kind, mode):
     blocks_a = [5, 2, 11, 7, 0, 9, 14, 3, 21, 1]
     alloc(sched_a, req, blocks_a, 0)
     m1 = step(sched_a, req, blocks_a, computed=0, scheduled=150, new=True)
-    assert [(s.ends, len(s.block_ids)) for s in m1.saves] == [([128], 4)] and not m1.loads
+    assert [(s.ends, len(s.block_ids[0])) for s in m1.saves] == [([128], 4)] and not m1.loads
     assert run_worker(work_a, m1) == set()
     m2 = step(sched_a, req, blocks_a, computed=150, scheduled=150, new=False)
     assert [s.ends for s in m2.saves] == [[256, 288]]
@@ -477,7 +479,7 @@ def test_a_preempted_request_waits_for_its_pending_gathers():
         original(transfer, spec)
 
     worker.worker._run_save = slow_save
-    meta = KVStoreConnectorMetadata(saves=[SaveSpec("p", list(range(64)), [0, 1], [64])], preempted=["p"])
+    meta = KVStoreConnectorMetadata(saves=[SaveSpec("p", list(range(64)), [[0, 1]], [64])], preempted=["p"])
     worker.bind_connector_metadata(meta)
     worker.wait_for_save()
     threading.Timer(0.1, gate.set).start()
@@ -497,7 +499,7 @@ def test_at_interpreter_exit_the_queued_gathers_reach_the_store():
         original(transfer, spec)
 
     worker.worker._run_save = slow_save
-    worker.bind_connector_metadata(KVStoreConnectorMetadata(saves=[SaveSpec("x", list(range(64)), [0, 1], [64])]))
+    worker.bind_connector_metadata(KVStoreConnectorMetadata(saves=[SaveSpec("x", list(range(64)), [[0, 1]], [64])]))
     worker.wait_for_save()
     assert not list(store.iter_keys())  # still gathering
     worker_module._finish_saves_at_exit()
@@ -586,7 +588,7 @@ def test_a_lookup_past_its_deadline_or_failing_is_a_counted_miss():
     store = Stuck()
     now = [0.0]
     opts = parse_options({"store": "memory://", "chunk_tokens": 64, "lookup_wait": "0s", "lookup_timeout": "500ms"})
-    sched = SchedulerSide(store, facts(), opts, loads=True, saves=True, block_ids=lambda _: [], clock=lambda: now[0])
+    sched = SchedulerSide(store, facts(), opts, loads=True, saves=True, block_ids=lambda _: ([],), clock=lambda: now[0])
     try:
         before = {r: LOOKUP_FAILURES.value(reason=r) for r in ("timeout", "error")}
         req = fake_request("slow", list(range(300)))

@@ -35,6 +35,7 @@ __all__ = [
     "EVICTIONS",
     "WRITE_DROPS",
     "SAVE_DROPS",
+    "BYPASSED",
     "PREFILL_RATE",
     "WARM_PROMPTS",
     "INFO",
@@ -84,6 +85,10 @@ LOAD_DECISIONS = REGISTRY.counter("kvstore_load_decisions_total",
                                   ("tier", "decision"))
 SAVE_DROPS = REGISTRY.counter("kvstore_save_drops_total",
                               "Saves an engine adapter dropped before gathering them (queue_full).", ("reason",))
+BYPASSED = REGISTRY.counter("kvstore_bypassed_requests_total",
+                            "Requests an engine adapter neither loads nor saves, by reason (recurrent_state: "
+                            "the model keeps state kvstore cannot restore; multimodal: inputs the keys cannot "
+                            "name).", ("reason",))
 PREFILL_RATE = REGISTRY.gauge("kvstore_prefill_tokens_per_second",
                               "The engine's measured prefill speed (EWMA), what a load is compared with.")
 

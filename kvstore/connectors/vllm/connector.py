@@ -35,6 +35,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvstore.buffers import configure_default_pool
@@ -63,9 +65,11 @@ __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
 log = logging.getLogger("kvstore.vllm")
 
 
-class KVStoreConnector(PublishesKVStoreStats, KVConnectorBase_V1):  # type: ignore[misc]
+class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM V1 connector over kvstore; see the module docstring. kvstore's metrics reach vLLM's
-    own ``/metrics`` through its stats API (``PublishesKVStoreStats``)."""
+    own ``/metrics`` through its stats API (``PublishesKVStoreStats``). It declares ``SupportsHMA``:
+    vLLM keeps its hybrid KV cache allocator on, and the connector stores each KV cache group
+    under its own namespace (``facts.KVGroup``)."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -121,11 +125,12 @@ class KVStoreConnector(PublishesKVStoreStats, KVConnectorBase_V1):  # type: igno
             raise RuntimeError("KVStoreConnector: a worker-side call reached the scheduler-side connector")
         return self.worker
 
-    def _request_block_ids(self, req_id: str) -> list[int]:
+    def _request_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's block ids, one list per KV cache group."""
         manager = self._kv_cache_manager
         if manager is None:
             raise RuntimeError("KVStoreConnector needs bind_kv_cache_manager (vLLM 0.32 calls it)")
-        return list(manager.get_block_ids(req_id)[0])
+        return tuple(list(ids) for ids in manager.get_block_ids(req_id))
 
     # -- scheduler side --------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -141,6 +146,10 @@ class KVStoreConnector(PublishesKVStoreStats, KVConnectorBase_V1):  # type: igno
         self._sched().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request)
 
     # -- worker side -----------------------------------------------------------------------------
@@ -174,6 +183,13 @@ class KVStoreConnector(PublishesKVStoreStats, KVConnectorBase_V1):  # type: igno
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         sending, recving = self._work().finished(finished_req_ids)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished``'s answer plus the loads that failed on an engine whose failures are
+        reported per request (several KV cache groups, or sliding windows)."""
+        sending, recving = self._work().finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=self._work().failed_loads())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, KVStoreConnectorMetadata):

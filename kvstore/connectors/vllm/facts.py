@@ -2,8 +2,15 @@
 
 ``engine_facts`` reads them from vLLM's config (the same answer in the scheduler and every
 worker); ``build_namespace`` turns them into the namespace of one tensor-parallel rank's
-records and the paged layout its KV is copied with. ``check_vllm_version`` refuses vLLM
-versions whose connector API this package was not written against.
+records of one KV cache group and the paged layout its KV is copied with.
+``check_vllm_version`` refuses vLLM versions whose connector API this package was not written
+against.
+
+KV cache groups (vLLM's hybrid allocator): every group is one set of layers sharing a block
+table. kvstore stores and loads full-attention and sliding-window groups, each under its own
+namespace; a group of recurrent state (Mamba, gated delta net: ``kind="state"``) cannot be
+restored from per-token KV, so an engine with one recomputes every prompt (``restorable``);
+any other kind of group is refused at start-up, naming it.
 """
 
 from __future__ import annotations
@@ -22,8 +29,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["VLLM_MINOR", "SUPPORTED_VLLM", "EngineFacts", "check_vllm_version", "model_fingerprint", "choose_layout",
-           "build_namespace", "engine_facts"]
+__all__ = ["VLLM_MINOR", "SUPPORTED_VLLM", "EngineFacts", "KVGroup", "check_vllm_version", "model_fingerprint",
+           "choose_layout", "build_namespace", "engine_facts", "group_kind"]
 
 #: The vLLM minor release this connector is written and tested against (the connector API
 #: changes between minor releases). setup.cfg's ``vllm`` extra spells the same range (a test
@@ -77,6 +84,27 @@ def choose_layout(device_type: str, *, isa: str | None = None) -> PagedLayout:
     raise ConfigError(f"KVStoreConnector supports vLLM on cpu, cuda, rocm and xpu; this platform is {device_type!r}")
 
 
+#: The kinds of KV cache group the connector knows: ``full`` and ``sliding`` are stored and
+#: loaded; ``state`` (recurrent state) makes the engine recompute every prompt.
+GROUP_KINDS = ("full", "sliding", "state")
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One of vLLM's KV cache groups: layers that share a block table."""
+
+    index: int
+    kind: str
+    #: The group's layer names, in layer order.
+    layers: tuple[str, ...]
+    #: Sliding-window groups: the window in tokens (attention sees the last ``window`` tokens).
+    window: int = 0
+    #: KV bytes one rank stores per token for this group's layers.
+    bytes_per_token: int = 0
+    #: CPU attention ISA of this group's pages (CPU only).
+    isa: str | None = None
+
+
 @dataclass(frozen=True)
 class EngineFacts:
     """What the namespace needs from vLLM's config, as plain values (built by ``engine_facts``)."""
@@ -95,21 +123,70 @@ class EngineFacts:
     bytes_per_token: int = 0
     #: 1 when vLLM schedules a step before it has seen the previous one's output, else 0.
     scheduling_lag: int = 0
+    #: vLLM's KV cache groups, in vLLM's order; empty means one full-attention group of every layer.
+    groups: tuple[KVGroup, ...] = ()
+
+    @property
+    def kv_groups(self) -> tuple[KVGroup, ...]:
+        """The KV cache groups, a single full-attention one when ``groups`` is empty."""
+        return self.groups or (KVGroup(0, "full", tuple(str(i) for i in range(self.num_layers)),
+                                       bytes_per_token=self.bytes_per_token, isa=self.isa),)
+
+    @property
+    def restorable(self) -> bool:
+        """Whether a stored prefix can stand in for computing it: no group holds recurrent state."""
+        return all(g.kind != "state" for g in self.kv_groups)
+
+    @property
+    def stored_groups(self) -> tuple[KVGroup, ...]:
+        """The groups whose KV is stored and loaded (every group, when ``restorable``)."""
+        return tuple(g for g in self.kv_groups if g.kind != "state") if self.restorable else ()
 
 
-def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int) -> tuple[Namespace, PagedLayout]:
-    """The namespace of one TP rank's records, and the layout its records are copied with."""
+def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int,
+                    group: KVGroup | None = None) -> tuple[Namespace, PagedLayout]:
+    """The namespace of one TP rank's records of one KV cache group (default: the first), and
+    the layout its records are copied with.
+
+    An engine with one KV cache group keeps the namespace it always had; with several, each
+    group's namespace names the group (its index, kind, window and layers), so a model's groups
+    never share a record, and engines that group layers differently never share one either.
+    """
     check_chunk_tokens(opts.chunk_tokens, facts.block_size)
-    layout = choose_layout(facts.device_type, isa=facts.isa)
+    groups = facts.kv_groups
+    g = group or groups[0]
+    layout = choose_layout(facts.device_type, isa=g.isa if facts.groups else facts.isa)
     extra = [("engine", "vllm"), ("backend", facts.backend), ("kv_cache_layout", facts.kv_cache_layout)]
     if layout.granularity == "block":
         extra.append(("vllm_minor", VLLM_MINOR_TEXT))  # packed page formats may change between releases
+    num_layers = facts.num_layers
+    if len(groups) > 1:
+        layers = hashlib.sha256("\n".join(g.layers).encode()).hexdigest()[:16]
+        extra.append(("kv_group", f"{g.index}/{len(groups)}:{g.kind}:{g.window}:{layers}"))
+        num_layers = len(g.layers)
     ns = Namespace(
         model=facts.model, kv_dtype=facts.kv_dtype, layout=layout.name, block_size=facts.block_size,
-        chunk_tokens=opts.chunk_tokens, layer_start=0, layer_end=facts.num_layers,
+        chunk_tokens=opts.chunk_tokens, layer_start=0, layer_end=num_layers,
         tp_rank=tp_rank, tp_size=facts.tp_size, model_fingerprint=facts.fingerprint, extra=tuple(extra),
     )
     return ns, layout
+
+
+def group_kind(spec: Any) -> str:
+    """``full``, ``sliding`` or ``state`` for one of vLLM's KV cache specs; ConfigError naming any
+    other kind (its layout is not one kvstore copies: MLA latents, chunked-local or sink
+    attention, encoder caches...)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    if isinstance(spec, MambaSpec):
+        return "state"
+    if type(spec) is FullAttentionSpec:
+        return "full"
+    if type(spec) is SlidingWindowSpec:
+        return "sliding"
+    raise ConfigError(f"KVStoreConnector does not support KV cache groups of type {type(spec).__name__} "
+                      f"(it stores full-attention and sliding-window groups; docs/vllm.md lists the "
+                      f"supported model families)")
 
 
 def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: VLLMConnectorOptions) -> EngineFacts:
@@ -119,20 +196,44 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
-        raise ConfigError("KVStoreConnector does not support pipeline parallelism (pipeline_parallel_size > 1)")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise ConfigError(f"KVStoreConnector supports models with one KV cache group (uniform attention); "
-                          f"this model has {len(groups)} (hybrid or sliding-window layers)")
-    spec = groups[0].kv_cache_spec
-    block_size = int(spec.block_size)
+        raise ConfigError("KVStoreConnector does not support pipeline parallelism (pipeline_parallel_size > 1): "
+                          "each stage would need its own layer range and a hit every stage's records")
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    vllm_groups = kv_cache_config.kv_cache_groups
     device_type = "rocm" if current_platform.is_rocm() else str(current_platform.device_type)
-    isa = None
-    if device_type == "cpu":
+
+    def isa_of(spec: Any) -> str | None:
+        if device_type != "cpu":
+            return None
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        isa = _get_attn_isa(model_config.dtype, block_size, getattr(spec, "head_size", None),
-                            vllm_config.cache_config.cache_dtype)
+        return str(_get_attn_isa(model_config.dtype, int(spec.block_size), getattr(spec, "head_size", None),
+                                 vllm_config.cache_config.cache_dtype))
+
+    groups = []
+    for index, vg in enumerate(vllm_groups):
+        spec = vg.kv_cache_spec
+        kind = group_kind(spec)
+        layers = tuple(sorted(vg.layer_names, key=lambda n: (extract_layer_index(n), n)))
+        groups.append(KVGroup(
+            index=index, kind=kind, layers=layers, window=int(getattr(spec, "sliding_window", 0) or 0),
+            bytes_per_token=int(getattr(spec, "page_size_bytes", 0) or 0) * len(layers) // int(spec.block_size),
+            isa=isa_of(spec) if kind != "state" else None))
+    attention = [g for g in groups if g.kind != "state"]
+    first = attention[0] if attention else groups[0]
+    spec = vllm_groups[first.index].kv_cache_spec
+    block_size = int(spec.block_size)
+    kv_dtype = dtype_name(spec.dtype) if attention else "state"
+    for g in attention:
+        other = vllm_groups[g.index].kv_cache_spec
+        if int(other.block_size) != block_size or dtype_name(other.dtype) != kv_dtype:
+            raise ConfigError(f"KVStoreConnector needs one block size and KV dtype across KV cache groups; group "
+                              f"{g.index} has {other.block_size} tokens of {dtype_name(other.dtype)}, group "
+                              f"{first.index} {block_size} of {kv_dtype}")
+    # The cost model sizes a load by the groups that store every chunk of a hit (full attention;
+    # a sliding-window group adds at most a window's worth); a model of sliding windows only by those.
+    sized = [g for g in attention if g.kind == "full"] or attention
     try:
         layout_name = vllm_config.cache_config.get_resolved_kv_cache_layout().name
     except Exception:  # noqa: BLE001 - unresolved outside EngineCore; the layout name is informative only
@@ -143,10 +244,11 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         model=opts.model_id or str(model_config.model),
         fingerprint=model_fingerprint(hf, dtype=dtype_name(model_config.dtype), revision=model_config.revision,
                                       quantization=model_config.quantization, extra=opts.model_revision),
-        kv_dtype=dtype_name(spec.dtype), block_size=block_size, num_layers=len(groups[0].layer_names),
-        device_type=device_type, isa=isa, backend=backend,
+        kv_dtype=kv_dtype, block_size=block_size, num_layers=len(first.layers),
+        device_type=device_type, isa=first.isa, backend=backend,
         kv_cache_layout=layout_name if device_type == "cpu" else "any",
         tp_size=parallel.tensor_parallel_size,
-        bytes_per_token=int(getattr(spec, "page_size_bytes", 0) or 0) * len(groups[0].layer_names) // block_size,
+        bytes_per_token=sum(g.bytes_per_token for g in sized),
         scheduling_lag=1 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) else 0,
+        groups=tuple(groups),
     )

@@ -12,11 +12,12 @@ __all__ = ["LoadSpec", "SaveSpec", "KVStoreConnectorMetadata"]
 
 @dataclass
 class LoadSpec:
-    """Load tokens ``[start, end)`` of ``tokens`` into ``block_ids`` (``[0, start)`` is a local hit)."""
+    """Load tokens ``[start, end)`` of ``tokens`` into ``block_ids`` (one list per stored KV cache
+    group, in the worker's group order; ``[0, start)`` is a local hit)."""
 
     req_id: str
     tokens: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     start: int
     end: int
     salt: str = ""
@@ -29,14 +30,17 @@ class LoadSpec:
 class SaveSpec:
     """After this step's forward, save the prefixes ``tokens[:e]`` for ``e`` in ``ends``: the
     chunks ending after ``start``, without asking the store which are there (the scheduler knows
-    how far the request is saved; a plan that must rewrite a stretch sets ``start`` before it)."""
+    how far the request is saved; a plan that must rewrite a stretch sets ``start`` before it).
+    ``block_ids``: one list per stored KV cache group. Sliding-window groups store only the
+    window before each of ``window_ends`` (a subset of ``ends``)."""
 
     req_id: str
     tokens: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
     ends: list[int]
     salt: str = ""
     start: int = 0
+    window_ends: list[int] = field(default_factory=list)
 
 
 @dataclass

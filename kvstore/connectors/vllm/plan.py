@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["lookup_limit", "external_tokens", "save_ends", "failed_blocks", "blocks_for"]
+__all__ = ["lookup_limit", "external_tokens", "save_ends", "failed_blocks", "blocks_for", "window_start",
+           "window_chunks", "window_ends", "servable_ends"]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -46,3 +47,45 @@ def save_ends(num_prompt_tokens: int, computed_after_step: int, saved_upto: int,
 def failed_blocks(block_ids: Sequence[int], block_size: int, present: int, end: int) -> list[int]:
     """Blocks vLLM counts as loaded (up to ``end``) that hold no verified KV (from ``present``)."""
     return list(block_ids[present // block_size:blocks_for(end, block_size)])
+
+
+# -- sliding-window groups -------------------------------------------------------------------------
+# A sliding-window layer attends to the last ``window`` tokens only, and vLLM frees the blocks
+# before that (its block table holds the null block there). A hit ending at ``end`` therefore needs
+# such a group's KV only from ``window_start(end)``: the records of the chunks overlapping that
+# tail. Writers store those tails at a few ends only (``window_ends``), so what a sliding-window
+# group stores per prompt is bounded by its window, not by the prompt.
+
+
+def window_start(end: int, window: int, block_size: int) -> int:
+    """First token (block-aligned) a sliding-window group needs for a hit ending at ``end``: the
+    start of the block holding the oldest token the next one attends to (vLLM keeps that block)."""
+    return max(0, end - window + 1) // block_size * block_size
+
+
+def window_chunks(end: int, window: int, block_size: int, chunk_tokens: int) -> range:
+    """Indexes of the chunks a sliding-window group needs for a hit ending at ``end`` (a chunk end)."""
+    last = -(-end // chunk_tokens)
+    return range(window_start(end, window, block_size) // chunk_tokens, last)
+
+
+def window_ends(ends: Sequence[int], num_prompt_tokens: int, block_size: int, chunk_tokens: int,
+                interval: int) -> list[int]:
+    """Which of a save's ``ends`` (chunk ends) also store sliding-window tails: the prompt's last
+    hittable end (``lookup_limit``: the same prompt, and the next turn of a chat, hit there) and
+    the first chunk end at or after each multiple of ``interval`` tokens (0: none), where prompts
+    sharing a long prefix meet."""
+    limit = lookup_limit(num_prompt_tokens, block_size)
+    return [e for e in ends if e == limit or (interval and e // interval > (e - chunk_tokens) // interval)]
+
+
+def servable_ends(ends: Sequence[int], present: Sequence[bool], window: int, block_size: int,
+                  chunk_tokens: int) -> set[int]:
+    """The chunk ends (``ends[i]``: end of chunk i) at which a sliding-window group can serve a
+    hit, given which of its chunk records are ``present``."""
+    out = set()
+    for end in ends:
+        need = window_chunks(end, window, block_size, chunk_tokens)
+        if need.stop <= len(present) and all(present[i] for i in need):
+            out.add(end)
+    return out

@@ -18,6 +18,13 @@ Nothing here waits on the network beyond ``lookup_wait``:
 * **Plans**: ``build_meta`` tells the worker, per step, which loads to start (block ids come
   from ``update_state_after_alloc``) and which requests save which prefixes: a chunk is saved in
   the step that completes it, so with chunked prefill a long prompt is saved chunk by chunk.
+* **KV cache groups** (vLLM's hybrid allocator stays on): each full-attention group stores every
+  chunk, each sliding-window group only the chunks of the window before a few ends
+  (``plan.window_ends``: the prompt's last hittable end and every ``window_interval`` tokens).
+  A hit is the longest prefix every group can serve: the full groups' leading chunks, ending
+  where every sliding-window group holds the window before it. A model with recurrent-state
+  groups (Mamba, gated delta net) is served without the cache: kvstore cannot restore that state,
+  and a hit without it would be wrong.
   With ``save_mode="async"`` a finished request that had saves planned keeps its blocks until
   the worker has gathered them (``request_finished`` answers True).
 """
@@ -28,7 +35,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,11 +43,21 @@ from typing import TYPE_CHECKING, Any
 from kvstore.connectors.vllm.facts import EngineFacts, build_namespace
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
-from kvstore.connectors.vllm.plan import blocks_for, external_tokens, lookup_limit, save_ends
+from kvstore.connectors.vllm.plan import (
+    blocks_for,
+    external_tokens,
+    lookup_limit,
+    save_ends,
+    servable_ends,
+    window_chunks,
+    window_ends,
+    window_start,
+)
 from kvstore.connectors.vllm.stats import Measurements
 from kvstore.cost import CostModel
+from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, TokenIds
-from kvstore.metrics.catalog import LOOKUP_FAILURES
+from kvstore.metrics.catalog import BYPASSED, LOOKUP_FAILURES
 from kvstore.prefix_cache import PrefixCache, stored_by_tier
 from kvstore.stores import Store
 from kvstore.stores.speed import LinkSpeed
@@ -87,27 +104,39 @@ class _Pending:
 
     start: int
     end: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per stored KV cache group
     background: bool
 
 
 class SchedulerSide:
-    """Lookups, decisions and plans for one engine. ``block_ids(req_id)`` reads vLLM's block table."""
+    """Lookups, decisions and plans for one engine. ``block_ids(req_id)`` reads vLLM's block
+    table: one list of block ids per KV cache group, in vLLM's group order."""
 
     def __init__(self, store: Store, facts: EngineFacts, opts: VLLMConnectorOptions, *, loads: bool,
-                 saves: bool, block_ids: Callable[[str], list[int]], lag: int = 0,
+                 saves: bool, block_ids: Callable[[str], Sequence[Sequence[int]]], lag: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.opts = opts
         self.store = store
         self.block_size = facts.block_size
+        self.groups = facts.stored_groups
+        self._bypass = "" if facts.restorable else "recurrent_state"
+        if self._bypass:
+            log.warning("KVStoreConnector: %s keeps recurrent state (KV cache groups %s) that kvstore cannot "
+                        "restore: every prompt is computed, nothing is loaded or saved", facts.model,
+                        [g.index for g in facts.kv_groups if g.kind == "state"])
+            loads = saves = False
         self.do_load, self.do_save = loads, saves
         self._block_ids = block_ids
         self._lag = lag
         self._clock = clock
-        # One prefix cache per TP rank: a hit needs every rank's shard.
-        self.caches = [PrefixCache(store, build_namespace(facts, opts, rank)[0], codec=opts.codec,
-                                   auth=opts.record_auth())
-                       for rank in range(facts.tp_size)]
+        # One prefix cache per KV cache group and TP rank: a hit needs every rank's shard of every group.
+        self.group_caches = [[PrefixCache(store, build_namespace(facts, opts, rank, group)[0], codec=opts.codec,
+                                          auth=opts.record_auth())
+                              for rank in range(facts.tp_size)]
+                             for group in self.groups]
+        self.caches = self.group_caches[0] if self.group_caches else []  # the first group's, per rank
+        self._full = [i for i, g in enumerate(self.groups) if g.kind == "full"]
+        self._sliding = [i for i, g in enumerate(self.groups) if g.kind == "sliding"]
         self.chunk_bytes = facts.bytes_per_token * opts.chunk_tokens
         self.cost = CostModel(opts.load_policy)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-lookup")
@@ -121,33 +150,79 @@ class SchedulerSide:
         self._saved_upto: dict[str, int] = {}
         self._planned_saves: set[str] = set()  # requests a SaveSpec went out for (the worker knows them too)
         self._step = 0
-        ns = self.caches[0].namespace
-        log.info("KVStoreConnector (scheduler): namespace %s (%s), load=%s (%s, policy %s) save=%s (%s), store %s",
-                 ns.id, ns.layout, loads, opts.load_mode, opts.load_policy, saves, opts.save_mode, store.describe())
+        if self.caches:
+            ns = self.caches[0].namespace
+            log.info("KVStoreConnector (scheduler): namespace %s (%s), KV cache groups %s, load=%s (%s, policy %s) "
+                     "save=%s (%s), store %s", ns.id, ns.layout,
+                     [f"{g.kind}:{g.window}" if g.window else g.kind for g in self.groups], loads, opts.load_mode,
+                     opts.load_policy, saves, opts.save_mode, store.describe())
         _live.add(self)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def chunk_keys(self, tokens: TokenIds, salt: str = "") -> list[ChunkKey]:
-        """Keys of every chunk this engine saves for a prompt of ``tokens``, for every TP rank."""
+        """Keys of every chunk a hit on ``tokens`` needs from the groups that store every chunk
+        (full attention; a model of sliding windows only: the window before the prompt's end),
+        for every TP rank."""
         arr = list(tokens)
         limit = lookup_limit(len(arr), self.block_size)
-        return [k for cache in self.caches for k in cache.keys(arr[:limit], namespace=cache.namespace.with_salt(salt))]
+        out: list[ChunkKey] = []
+        for i in self._full or self._sliding:
+            for cache in self.group_caches[i]:
+                keys = cache.keys(arr[:limit], namespace=cache.namespace.with_salt(salt))
+                if not self._full and keys:
+                    keys = [keys[j] for j in window_chunks(keys[-1].end, self.groups[i].window, self.block_size,
+                                                           self.opts.chunk_tokens)]
+                out.extend(keys)
+        return out
 
     # -- lookup ----------------------------------------------------------------------------------
     def _lookup(self, tokens: list[int], limit: int, salt: str) -> _Answer:
         """What of the stored prefix is worth loading (runs on the lookup pool; never raises)."""
-        shards = [cache.keys(tokens[:limit], namespace=cache.namespace.with_salt(salt)) for cache in self.caches]
-        per_tier = stored_by_tier(self.store, shards)  # every TP rank must hold its shard
-        keys = shards[0]
-        if not any(per_tier) or not keys:
+        def shards(i: int) -> list[list[ChunkKey]]:
+            return [c.keys(tokens[:limit], namespace=c.namespace.with_salt(salt)) for c in self.group_caches[i]]
+
+        keyed = {i: shards(i) for i in range(len(self.groups))}
+        keys = keyed[0][0] if keyed else []
+        if not keys:
+            return _Answer()
+        if self._full:  # every TP rank of every full group must hold its shard
+            per_tier = stored_by_tier(self.store, [shard for i in self._full for shard in keyed[i]])
+        else:
+            per_tier = [len(keys)] * len(self.store.tiers)
+        if not any(per_tier):
+            return _Answer()
+        servable = self._servable(keyed, max(per_tier))
+        if not servable:
             return _Answer()
         speeds = [t.speed for t in self.store.tiers]
         plan = self.cost.plan(list(zip(speeds, per_tier)), [k.num_tokens for k in keys], self.chunk_bytes)
-        hit = keys[plan.chunks - 1].end if plan.chunks else 0
-        everywhere = min(per_tier)
+        hit = max((keys[i].end for i in range(plan.chunks) if keys[i].end in servable), default=0)
+        everywhere = min(per_tier) if self._full else 0
         return _Answer(hit, keys[everywhere - 1].end if everywhere else 0)
+
+    def _servable(self, keyed: dict[int, list[list[ChunkKey]]], count: int) -> set[int]:
+        """Ends among the first ``count`` chunks at which every sliding-window group holds the
+        window before the end (every end, without such groups). One existence check for all."""
+        ends = [k.end for k in keyed[0][0][:count]]
+        if not self._sliding:
+            return set(ends)
+        asked = [shard[:count] for i in self._sliding for shard in keyed[i]]
+        try:
+            present = self.store.exists_many([k.key for shard in asked for k in shard])
+        except KVStoreError as exc:
+            log.debug("lookup of sliding-window records failed: %s", exc)
+            LOOKUP_FAILURES.inc(reason="error")
+            return set()
+        servable = set(ends)
+        pos = 0
+        for n, shard in enumerate(asked):
+            group = self.groups[self._sliding[n // len(self.group_caches[0])]]
+            servable &= servable_ends(ends, present[pos:pos + len(shard)], group.window, self.block_size,
+                                      self.opts.chunk_tokens)
+            pos += len(shard)
+        return servable
 
     def _learn(self, connector_output: KVConnectorOutput) -> None:
         """Feed the cost model what the workers measured (``measure``: their reads, their prefills)."""
@@ -163,6 +238,11 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         tokens = request.prompt_token_ids
+        if self._bypass:
+            if req_id not in self._local_hit:
+                BYPASSED.inc(reason=self._bypass)
+                self._local_hit[req_id] = num_computed_tokens  # counted once per request
+            return 0, False
         if not self.do_load or tokens is None or getattr(request, "mm_features", None) or req_id in self._failed:
             return 0, False  # keys cover token ids only: multimodal prompts bypass the cache
         limit = lookup_limit(len(tokens), self.block_size)
@@ -205,9 +285,13 @@ class SchedulerSide:
         if num_external_tokens > 0 and local is not None:
             # vLLM places the external tokens right after the (block-aligned) local hit it showed
             # get_num_new_matched_tokens, in the blocks it just allocated.
-            ids = list(blocks.get_block_ids()[0]) if blocks is not None else self._block_ids(req_id)
+            ids = self._group_ids(blocks.get_block_ids() if blocks is not None else self._block_ids(req_id))
             self._pending[req_id] = _Pending(local, local + num_external_tokens, ids,
                                              self.opts.load_mode == "async")
+
+    def _group_ids(self, per_vllm_group: Sequence[Sequence[int]]) -> list[list[int]]:
+        """The block ids of the stored groups, out of vLLM's per-group lists."""
+        return [list(per_vllm_group[g.index]) for g in self.groups]
 
     # -- per-step plans --------------------------------------------------------------------------
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
@@ -218,8 +302,9 @@ class SchedulerSide:
             request = self._requests.get(req_id)
             if request is None or request.prompt_token_ids is None:
                 continue
+            used = blocks_for(pending.end, self.block_size)
             spec = LoadSpec(req_id, list(request.prompt_token_ids[:pending.end]),
-                            pending.block_ids[:blocks_for(pending.end, self.block_size)], pending.start, pending.end,
+                            [ids[:used] for ids in pending.block_ids], pending.start, pending.end,
                             request.cache_salt or "", background=pending.background)
             meta.loads.append(spec)
             if pending.background:
@@ -257,11 +342,24 @@ class SchedulerSide:
                          block_size=self.block_size, save_partial=self.opts.save_partial_chunks)
         if ends:
             top = max(ends)
-            blocks = self._block_ids(req_id)
-            meta.saves.append(SaveSpec(req_id, list(prompt[:top]), blocks[:blocks_for(top, self.block_size)],
-                                       ends, request.cache_salt or "", start=done))
+            used = blocks_for(top, self.block_size)
+            blocks = [ids[:used] for ids in self._group_ids(self._block_ids(req_id))]
+            meta.saves.append(SaveSpec(req_id, list(prompt[:top]), blocks, ends, request.cache_salt or "",
+                                       start=done, window_ends=self._window_ends(ends, len(prompt), num_computed)))
             self._saved_upto[req_id] = top
             self._planned_saves.add(req_id)
+
+    def _window_ends(self, ends: list[int], num_prompt_tokens: int, num_computed: int) -> list[int]:
+        """Of a save's ``ends``, those at which the sliding-window groups store their window:
+        ``plan.window_ends``, and only where vLLM still holds every block of that window
+        (it frees a sliding-window group's blocks before the window of the step's first token)."""
+        if not self._sliding:
+            return []
+        held = {i: window_start(num_computed, self.groups[i].window, self.block_size) for i in self._sliding}
+        chunk = self.opts.chunk_tokens
+        return [e for e in window_ends(ends, num_prompt_tokens, self.block_size, chunk, self.opts.window_interval)
+                if all(window_chunks(e, self.groups[i].window, self.block_size, chunk).start * chunk >= held[i]
+                       for i in self._sliding)]
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._learn(connector_output)
@@ -269,7 +367,7 @@ class SchedulerSide:
         invalid = connector_output.invalid_block_ids or set()
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             spec = self._loading.pop(req_id, None)
-            if spec is not None and req_id not in failed and not invalid.intersection(spec.block_ids):
+            if spec is not None and req_id not in failed and not invalid.intersection(spec.block_ids[0]):
                 # Those chunks are in the store: nothing before spec.end needs saving again.
                 self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), spec.end)
         for req_id in failed:
@@ -281,7 +379,7 @@ class SchedulerSide:
         # affected requests' saves again so the recomputed chunks reach the store.
         for req_id in list(self._requests):
             try:
-                blocks = self._block_ids(req_id)
+                blocks = self._block_ids(req_id)[0]  # block-level errors come for one-group engines only
             except Exception:  # noqa: BLE001 - the request left the cache manager
                 continue
             if invalid.intersection(blocks):

@@ -16,6 +16,12 @@
   request that had a SaveSpec), and a preempted request's pending gathers finish in
   ``handle_preemptions`` before its blocks can be overwritten. A full save queue drops the save
   (counted), never blocks the engine.
+* **KV cache groups**: one ``KVTransfer`` per stored group over that group's layers; a load
+  fills every group (a sliding-window group from the start of its window only) and counts as
+  far as the shortest; with several groups a failed load is reported as a failed request
+  (``failed_loads``: vLLM cannot map block ids of several groups back to requests) and recomputed.
+  A sliding-window group's window is gathered inside the step, whatever ``save_mode``: vLLM
+  frees those blocks as the request moves on, so a background gather could read reused ones.
 * **After a failed synchronous load** the blocks from the failure on hold no valid KV until vLLM
   recomputes them: saves covering them, or the request, are refused when they were planned before
   the scheduler learned of the failure (the step that failed, plus ``lag`` steps planned ahead
@@ -38,7 +44,7 @@ from kvstore.connectors.vllm.facts import EngineFacts, build_namespace
 from kvstore.connectors.vllm.measure import WorkerMeasurements
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
-from kvstore.connectors.vllm.plan import blocks_for, failed_blocks
+from kvstore.connectors.vllm.plan import blocks_for, failed_blocks, window_chunks, window_start
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey
 from kvstore.metrics.catalog import SAVE_DROPS
@@ -92,11 +98,26 @@ class WorkerSide:
         self.opts = opts
         self.tp_rank = tp_rank
         self.block_size = facts.block_size
-        self.namespace, self.layout = build_namespace(facts, opts, tp_rank)
-        self.transfer: KVTransfer | None = None
-        self._loader: KVTransfer | None = None  # the loader thread's own (a transfer holds per-thread staging)
-        self._saver: KVTransfer | None = None
+        self.groups = facts.stored_groups
+        # A failed load is reported per request (and recomputed whole) when block ids cannot say
+        # what failed: several groups' ids overlap, and a sliding-window group's earlier blocks are
+        # already gone (recomputing from a later block would need them).
+        self._failures_by_request = len(self.groups) > 1 or any(g.kind == "sliding" for g in self.groups)
+        if self._failures_by_request and opts.load_mode == "sync":
+            raise ConfigError(f"load_mode='sync' needs a model with one full-attention KV cache group; this one has "
+                              f"{[g.kind for g in self.groups]} (vLLM recovers a failed synchronous load by block "
+                              f"id, which these groups make ambiguous): use load_mode='async'")
+        spaces = [build_namespace(facts, opts, tp_rank, g) for g in self.groups] or [build_namespace(facts, opts, tp_rank)]
+        self.namespaces = [ns for ns, _ in spaces]
+        self._layouts = [layout for _, layout in spaces]
+        self.namespace, self.layout = spaces[0]
+        # Per stored group, one transfer for the step's own work and one per background thread (a
+        # transfer holds per-thread staging).
+        self.transfers: list[KVTransfer] = []
+        self._loaders: list[KVTransfer] = []
+        self._savers: list[KVTransfer] = []
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()
         self._loads: dict[str, _Load] = {}
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvstore-load")
         # Saves: a queue drained by one thread; per request, gathers still to run.
@@ -113,19 +134,40 @@ class WorkerSide:
         self._closed = False
         _live.add(self)
 
+    @property
+    def transfer(self) -> KVTransfer | None:
+        """The first stored group's transfer (None until ``register_kv_caches``)."""
+        return self.transfers[0] if self.transfers else None
+
     def register_kv_caches(self, names: list[str], caches: list[torch.Tensor]) -> None:
-        """``caches`` of every layer, in layer order (``names`` for the log)."""
-        shapes = {tuple(c.shape) for c in caches}
-        if len(shapes) != 1:
-            raise ConfigError(f"KVStoreConnector needs every layer's KV cache to have one shape; got {sorted(shapes)}")
-        cache = PrefixCache(self.store, self.namespace, codec=self.opts.codec, auth=self.opts.record_auth())
-        self.transfer = KVTransfer(cache, caches, self.layout)  # checks layout, dtype, block size, layers
-        self._loader = KVTransfer(cache, caches, self.layout)
-        self._saver = KVTransfer(cache, caches, self.layout)
+        """``caches`` of every layer, in layer order, ``names`` their vLLM layer names: each stored
+        group takes its own layers (an engine with one group, every layer)."""
+        if not self.groups:
+            log.info("KVStoreConnector (worker %d): nothing is stored for this model", self.tp_rank)
+            return
+        by_name = dict(zip(names, caches))
+        for group, namespace, layout in zip(self.groups, self.namespaces, self._layouts):
+            if all(n in by_name for n in group.layers):
+                layers = [by_name[n] for n in group.layers]
+            elif len(self.groups) == 1:
+                layers = caches
+            else:
+                raise ConfigError(f"KV cache group {group.index} names layers vLLM did not register: "
+                                  f"{sorted(set(group.layers) - by_name.keys())[:4]}")
+            shapes = {tuple(c.shape) for c in layers}
+            if len(shapes) != 1:
+                raise ConfigError(f"KVStoreConnector needs every layer of a KV cache group to have one shape; "
+                                  f"group {group.index} has {sorted(shapes)}")
+            cache = PrefixCache(self.store, namespace, codec=self.opts.codec, auth=self.opts.record_auth())
+            # KVTransfer checks layout, dtype, block size and layer count against the namespace.
+            self.transfers.append(KVTransfer(cache, layers, layout))
+            self._loaders.append(KVTransfer(cache, layers, layout))
+            self._savers.append(KVTransfer(cache, layers, layout))
         self.measure = WorkerMeasurements(self.store, cuda=caches[0].is_cuda)  # CUDA events time the forward
-        log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, namespace %s, load %s, save %s",
-                 self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
-                 self.layout.name, self.namespace.id, self.opts.load_mode, self.opts.save_mode)
+        log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, KV cache groups %s, namespace %s, "
+                 "load %s, save %s", self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
+                 self.layout.name, [f"{g.kind}:{len(g.layers)}" for g in self.groups], self.namespace.id,
+                 self.opts.load_mode, self.opts.save_mode)
 
     def close(self) -> None:
         """Stop loading; finish the queued gathers (at most ``flush_timeout``). Idempotent."""
@@ -148,16 +190,16 @@ class WorkerSide:
 
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
         """Start this step's loads; synchronous ones finish here."""
-        if not meta.loads or self.transfer is None:
+        if not meta.loads or not self.transfers:
             return
         for spec in meta.loads:
             if spec.background:
                 cancel = threading.Event()
                 self._loads[spec.req_id] = _Load(spec, self._load_pool.submit(self._load, spec, cancel), cancel)
                 continue
-            present = self._run_load(self.transfer, spec, None)
-            if present < spec.end:
-                bad = failed_blocks(spec.block_ids, self.block_size, present, spec.end)
+            present = self._run_load(self.transfers, spec, None)
+            if present < spec.end:  # one group (sync loads need one): its block ids say what failed
+                bad = failed_blocks(spec.block_ids[0], self.block_size, present, spec.end)
                 self._load_errors.update(bad)
                 last = meta.step + meta.lag  # plans up to this step were made before the scheduler knew
                 self._tainted_reqs[spec.req_id] = last
@@ -166,21 +208,34 @@ class WorkerSide:
                          spec.req_id, present, spec.end, len(bad))
 
     def _load(self, spec: LoadSpec, cancel: threading.Event) -> int:
-        assert self._loader is not None
-        return self._run_load(self._loader, spec, cancel)
+        return self._run_load(self._loaders, spec, cancel)
 
-    def _run_load(self, transfer: KVTransfer, spec: LoadSpec, cancel: threading.Event | None) -> int:
-        """Tokens of ``spec`` present after loading (``spec.start``: nothing loaded); never raises."""
+    def _run_load(self, transfers: list[KVTransfer], spec: LoadSpec, cancel: threading.Event | None) -> int:
+        """Tokens of ``spec`` present in every group after loading (``spec.start``: nothing
+        loaded); never raises. Groups load in turn, full-attention ones first; a group that falls
+        short ends the load there (the request is recomputed from what every group holds)."""
+        check = None
+        if cancel is not None:
+            def check(chunk: ChunkKey, record: Record) -> None:
+                if cancel.is_set():
+                    raise _Cancelled
+        present = spec.end
+        order = sorted(range(len(transfers)), key=lambda i: self.groups[i].kind != "full")
         try:
-            slots = slots_from_block_table(spec.block_ids, self.block_size, spec.end)
-            check = None
-            if cancel is not None:
-                def check(chunk: ChunkKey, record: Record) -> None:
-                    if cancel.is_set():
-                        raise _Cancelled
-            present, _ = transfer.load_sequence(
-                spec.tokens, slots, max_tokens=spec.end, skip_tokens=spec.start,
-                namespace=self.namespace.with_salt(spec.salt), before_place=check)
+            for i in order:
+                group = self.groups[i]
+                skip = spec.start
+                if group.kind == "sliding":  # vLLM holds, and the next token attends to, the window only
+                    skip = max(skip, window_start(spec.end, group.window, self.block_size))
+                slots = slots_from_block_table(spec.block_ids[i], self.block_size, spec.end)
+                got, _ = transfers[i].load_sequence(
+                    spec.tokens, slots, max_tokens=spec.end, skip_tokens=skip,
+                    namespace=self.namespaces[i].with_salt(spec.salt), before_place=check)
+                if got < spec.end:
+                    # A full group holds a shorter prefix; a sliding-window group short of its
+                    # window holds nothing usable (a shorter hit needs an earlier window).
+                    present = got if group.kind == "full" else spec.start
+                    break
             return present
         except _Cancelled:
             return spec.start
@@ -201,11 +256,22 @@ class WorkerSide:
             present = load.future.result()
             spec = load.spec
             if present < spec.end and not load.cancel.is_set():
-                bad = failed_blocks(spec.block_ids, self.block_size, present, spec.end)
+                if self._failures_by_request:
+                    self._failed_loads.add(req_id)
+                    log.info("KVStoreConnector: request %s loaded %d of %d tokens in the background; recomputed",
+                             req_id, present, spec.end)
+                    continue
+                bad = failed_blocks(spec.block_ids[0], self.block_size, present, spec.end)
                 self._load_errors.update(bad)
                 log.info("KVStoreConnector: request %s loaded %d of %d tokens in the background; %d blocks "
                          "recomputed", req_id, present, spec.end, len(bad))
         return self._finished_saves(finished_req_ids), recving
+
+    def failed_loads(self) -> set[str]:
+        """Requests reported in ``finished`` whose background load fell short, on an engine whose
+        failures are reported per request (reported once; vLLM recomputes them)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -214,7 +280,7 @@ class WorkerSide:
     # -- save --------------------------------------------------------------------------------------
     def save(self, meta: KVStoreConnectorMetadata | None) -> None:
         self.measure.forward_ended()
-        if meta is None or self.transfer is None:
+        if meta is None or not self.transfers:
             return
         for spec in meta.saves:
             if self.opts.save_mode == "async":
@@ -222,8 +288,10 @@ class WorkerSide:
                     self._saw_saves.add(spec.req_id)
             if self._tainted(spec, meta.step):
                 continue
+            if spec.window_ends:
+                self._run_save(self.transfers, spec, windows=True)  # now, before vLLM frees those blocks
             if self.opts.save_mode != "async":
-                self._run_save(self.transfer, spec)
+                self._run_save(self.transfers, spec)
                 continue
             with self._save_lock:
                 self._pending_saves[spec.req_id] += 1
@@ -242,7 +310,7 @@ class WorkerSide:
         if self._tainted_reqs.get(spec.req_id, -1) >= step:
             return True
         if self._tainted_blocks:
-            used = spec.block_ids[:blocks_for(max(spec.ends), self.block_size)]
+            used = spec.block_ids[0][:blocks_for(max(spec.ends), self.block_size)]
             return any(self._tainted_blocks.get(b, -1) >= step for b in used)
         return False
 
@@ -252,10 +320,9 @@ class WorkerSide:
             self._save_thread.start()
 
     def _drain_saves(self) -> None:
-        assert self._saver is not None
         while (spec := self._save_queue.get()) is not None:
             try:
-                self._run_save(self._saver, spec)
+                self._run_save(self._savers, spec)
             finally:
                 self._save_done(spec.req_id)
 
@@ -266,12 +333,25 @@ class WorkerSide:
                 del self._pending_saves[req_id]
             self._save_lock.notify_all()
 
-    def _run_save(self, transfer: KVTransfer, spec: SaveSpec) -> None:
+    def _run_save(self, transfers: list[KVTransfer], spec: SaveSpec, windows: bool = False) -> None:
+        """Save ``spec`` into the full-attention groups (``windows=False``) or the sliding-window
+        groups' windows before ``spec.window_ends`` (``windows=True``)."""
         try:
             top = max(spec.ends)
-            slots = slots_from_block_table(spec.block_ids, self.block_size, top)
-            transfer.save_sequence(spec.tokens[:top], slots, namespace=self.namespace.with_salt(spec.salt),
-                                   ends=spec.ends, from_token=spec.start)
+            chunk = self.opts.chunk_tokens
+            for i, group in enumerate(self.groups):
+                if (group.kind == "sliding") != windows:
+                    continue
+                slots = slots_from_block_table(spec.block_ids[i], self.block_size, top)
+                namespace = self.namespaces[i].with_salt(spec.salt)
+                if group.kind != "sliding":
+                    transfers[i].save_sequence(spec.tokens[:top], slots, namespace=namespace, ends=spec.ends,
+                                               from_token=spec.start)
+                    continue
+                for end in spec.window_ends:  # the window's chunks are rewritten: what a reader needs
+                    first = window_chunks(end, group.window, self.block_size, chunk).start * chunk
+                    transfers[i].save_sequence(spec.tokens[:end], slots, namespace=namespace, ends=[end],
+                                               from_token=first)
         except Exception:
             log.exception("KVStoreConnector: save of request %s failed", spec.req_id)
 
