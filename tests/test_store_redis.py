@@ -121,9 +121,9 @@ def test_reads_in_waves_return_every_value_in_order(redis_server, monkeypatch, c
     """GETs go out in waves that keep a window of replies requested ahead (here 1 MiB, so
     values of 300 KiB to 2 MiB mix waves of one, two and three); misses size no window."""
     from kvstore.buffers import BufferPool
-    from kvstore.stores.redis import store as redis_store
+    from kvstore.stores.redis import base as redis_base
 
-    monkeypatch.setattr(redis_store, "_IN_FLIGHT_BYTES", 1 << 20)
+    monkeypatch.setattr(redis_base, "_IN_FLIGHT_BYTES", 1 << 20)
     sizes = [300 << 10, 2 << 20, 0, 700 << 10, 1 << 20, 64, 0, 1500 << 10] * 3
     values = {f"kvs1/wave/{i:02d}": os.urandom(n) for i, n in enumerate(sizes) if n}
     keys = [f"kvs1/wave/{i:02d}" for i in range(len(sizes))]

@@ -1,21 +1,19 @@
-"""``redis://``, ``rediss://``, ``unix://`` and ``redis+cluster://`` stores on redis-py + hiredis.
+"""What the Redis and Redis Cluster stores share: ``RedisStoreBase`` holds every operation and
+talks to whichever client a subclass's ``_make_client`` builds (``redis.Redis`` in ``single``,
+``redis.cluster.RedisCluster`` in ``cluster``). Both clients pipeline the same way; a cluster
+pipeline groups commands by node and sends one batch per node, so batch operations and
+``longest_prefix`` cost one round trip per node involved. Keys are spread over slots by their
+own hash (no hash tags).
 
-One implementation serves a single server and a cluster: ``_RedisStoreBase`` holds every
-operation and talks to whichever client ``_make_client`` builds (``redis.Redis`` or
-``redis.cluster.RedisCluster``). Both clients pipeline the same way; a cluster pipeline groups
-commands by node and sends one batch per node, so batch operations and ``longest_prefix`` cost
-one round trip per node involved. Keys are spread over slots by their own hash (no hash tags).
-
-Large values go out without being copied (a record's header and payload are sent as separate
-pieces) and GET replies are received straight into buffers of their final size: leased pool
-buffers for ``get_into`` (``hooks``: the parts of redis-py this relies on). A batch of large
-values is spread over ``connections`` connections (a cluster's over every node it touches at
-once, the connections shared out over them), each sent and read by its own thread with the GIL
-released in the socket calls; ``get_into`` yields value i while values after it are still
-arriving, and ``put_many`` sends value i while its caller produces value i+1. GETs go out in
-waves under one budget per batch (about 64 MiB of replies requested ahead, whatever the number
-of connections: ``waves.py``), so the server never builds a whole batch of large replies before
-sending the first.
+Large values go out without being copied and GET replies are received straight into buffers of
+their final size, over direct sockets (``direct``). A batch of large values is spread over
+``connections`` connections (a cluster's over every node it touches at once, the connections
+shared out over them), each sent and read by its own thread with the GIL released in the
+socket calls; ``get_into`` yields value i while values after it are still arriving, and
+``put_many`` sends value i while its caller produces value i+1. GETs go out in waves under one
+budget per batch (about 64 MiB of replies requested ahead, whatever the number of connections:
+``waves.py``), so the server never builds a whole batch of large replies before sending the
+first.
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
 ``StoreUnavailableError`` raised from it (``StoreTimeoutError`` when a deadline expired); a
@@ -32,91 +30,43 @@ frozen server costs at most ``deadline`` = ``connect_timeout + timeout``.
 from __future__ import annotations
 
 import itertools
-import logging
-import queue
 import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
-import numpy as np
 import redis
-import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvstore.buffers import BufferPool, Lease, Pieces, borrow
+from kvstore.buffers import BufferPool, Lease, Pieces
 from kvstore.config import redact_url
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import MAX_SPREAD, RedisConfig
-from kvstore.stores.redis.waves import Cancelled, Waves
-from kvstore.types import array_view
-
-__all__ = ["RedisStore", "RedisClusterStore"]
-
-log = logging.getLogger("kvstore.stores")
+from kvstore.stores.redis.direct import Sender, Slot, as_redis_error, exchange, is_redirect, read_into, run_sender
+from kvstore.stores.redis.waves import Waves
 
 _SCAN_COUNT = 1000
 # redis-py reads replies in socket_read_size pieces (64 KiB by default) and feeds each to
 # hiredis; 1 MiB pieces halve the cost of multi-MiB GETs.
 _READ_SIZE = 1 << 20
 
-_LEASE_WAIT = 0.05  # a reader waits this long for a pool buffer, then receives into a fresh one
 _IN_FLIGHT_BYTES = 64 << 20  # a batch of GETs keeps about this much of its replies requested ahead (Waves)
 
 #: A pipelined command: the client method's name, its arguments and its keyword arguments.
 _Command = tuple[str, tuple[Any, ...], dict[str, Any]]
-_TIMEOUTS = (TimeoutError, redis.exceptions.TimeoutError)  # a frozen server: never retried
-_NETWORK_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
 
-def _as_redis_error(exc: BaseException) -> BaseException:
-    """A socket error of our direct I/O as the redis-py error ``_errors`` maps (others as they are)."""
-    if isinstance(exc, redis.exceptions.RedisError) or not isinstance(exc, OSError):
-        return exc
-    kind = redis.exceptions.TimeoutError if isinstance(exc, TimeoutError) else redis.exceptions.ConnectionError
-    error = kind(f"{type(exc).__name__}: {exc}")
-    error.__cause__ = exc
-    return error
-
-
-def _redirected(exc: BaseException) -> bool:
-    """A cluster's answer that the key's slot is served elsewhere (MOVED, ASK)."""
-    return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(("MOVED ", "ASK "))
-
-
-class _Slot:
-    """One value of a ``get_into`` batch, filled by a reader thread."""
-
-    __slots__ = ("done", "error", "lease")
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.lease: Lease | None = None
-        self.error: BaseException | None = None
-
-
-class _Sender:
-    """One connection's share of a streamed write batch: its queue of ``(item, packed command)``
-    (None ends it), the bytes given to it so far, and whether it has finished."""
-
-    __slots__ = ("done", "loaded", "pool", "work")
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-        self.work: queue.Queue[tuple[tuple[str, WriteValue], list[Any]] | None] = queue.Queue(maxsize=1)
-        self.loaded = 0
-        self.done = threading.Event()
-
-
-class _RedisStoreBase(Store):
+class RedisStoreBase(Store):
     """Every Redis operation, over whichever redis-py client ``_make_client`` returns."""
 
     is_local = False
     Config = RedisConfig
+    #: Whether this class serves ``redis+cluster://`` URLs (``from_url`` refuses the others).
+    _cluster: ClassVar[bool] = False
 
     def __init__(self, config: RedisConfig) -> None:
         self.config = config
@@ -133,9 +83,9 @@ class _RedisStoreBase(Store):
         self._streaming = threading.Lock()  # held by the one write batch whose senders run
 
     @classmethod
-    def from_url(cls, url: str) -> _RedisStoreBase:
+    def from_url(cls, url: str) -> RedisStoreBase:
         config = RedisConfig.from_url(url)
-        if config.cluster != issubclass(cls, RedisClusterStore):
+        if config.cluster != cls._cluster:
             raise ConfigError(f"{redact_url(url)!r} is served by "
                               f"{'RedisClusterStore' if config.cluster else 'RedisStore'}, not {cls.__name__}")
         return cls(config)
@@ -264,53 +214,6 @@ class _RedisStoreBase(Store):
                         thread_name_prefix=f"kvstore-redis-{'w' if writes else 'r'}")
         return executor
 
-    def _exchange(self, pool: Any, commands: Sequence[list[Any]],
-                  on_reply: Callable[[hooks.DirectReplies, int], int], waves: Waves | None = None,
-                  share: Sequence[int] | None = None) -> None:
-        """Send the commands ``share`` (indices into ``commands``, packed; all of them by
-        default) on one pooled connection and hand reply i to ``on_reply(reader, i)``, which
-        returns the reply's size in bytes.
-
-        Without ``waves`` every command goes out at once. With it (GETs of values of any size),
-        command i goes out once ``waves`` lets value i be requested: several connections, each
-        with its own share, can run one batch under one budget (``waves.py`` says why).
-
-        A connection error before the first reply retries on a fresh connection (a pooled socket
-        may be stale after a server restart), resending what the failed one was asked; a timeout
-        never retries (a frozen server would only double the wait); a connection left
-        mid-stream is dropped, never reused."""
-        order = list(range(len(commands))) if share is None else list(share)
-        waves = waves or Waves(len(commands), None)
-        sent = answered = 0  # positions in order
-        for attempt in range(self.config.retries + 1):
-            conn = pool.get_connection()
-            try:
-                sock = hooks.raw_socket(conn)
-                if sent > answered:  # a retry: what the failed connection was asked
-                    hooks.send_all(sock, [b for i in order[answered:sent] for b in commands[i]])
-                reader = hooks.DirectReplies(sock)
-                while answered < len(order):
-                    idle = sent == answered
-                    limit = waves.frontier(order[sent] if idle else None)
-                    more = sent
-                    while more < len(order) and order[more] < limit:
-                        more += 1
-                    if more > sent:
-                        hooks.send_all(sock, [b for i in order[sent:more] for b in commands[i]])
-                        sent = more
-                    waves.received(on_reply(reader, order[answered]))
-                    answered += 1
-                return
-            except _NETWORK_ERRORS as exc:
-                conn.disconnect()
-                if answered or attempt == self.config.retries or isinstance(exc, _TIMEOUTS):
-                    raise _as_redis_error(exc) from exc
-            except BaseException:
-                conn.disconnect()
-                raise
-            finally:
-                pool.release(conn)
-
     def _set_command(self, key: str, value: WriteValue) -> list[Any]:
         args: list[Any] = ["SET", self._key(key), value if isinstance(value, Pieces) else hooks.wire(value)]
         if self._px:
@@ -355,8 +258,8 @@ class _RedisStoreBase(Store):
             return 0 if value is None else len(value)
 
         with self._errors():
-            self._exchange(pool, [hooks.pack_command("GET", self._key(k)) for k in keys], on_reply,
-                           Waves(len(keys), _IN_FLIGHT_BYTES))
+            exchange(pool, [hooks.pack_command("GET", self._key(k)) for k in keys], on_reply, self.config.retries,
+                     Waves(len(keys), _IN_FLIGHT_BYTES))
         return out
 
     def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
@@ -377,7 +280,7 @@ class _RedisStoreBase(Store):
                          pool: BufferPool) -> Generator[Lease | None, None, int]:
         """The direct part of ``get_into``; returns how many values it yielded (all of them
         unless a key was redirected)."""
-        slots = [_Slot() for _ in keys]
+        slots = [Slot() for _ in keys]
         commands = [hooks.pack_command("GET", self._key(k)) for k in keys]
         per_server = max(1, self._spread // len(routes))
         readers = [(direct, share[r::n]) for direct, share in routes
@@ -389,11 +292,12 @@ class _RedisStoreBase(Store):
         try:
             threads = self._threads()
             for direct, share in readers:
-                futures.append(threads.submit(self._read_into, direct, commands, share, slots, pool, waves))
+                futures.append(threads.submit(read_into, direct, commands, share, slots, pool, waves,
+                                              self.config.retries))
             for i, slot in enumerate(slots):
                 slot.done.wait()
                 if slot.error is not None:
-                    if _redirected(slot.error):
+                    if is_redirect(slot.error):
                         return i
                     with self._errors():
                         raise slot.error
@@ -409,42 +313,6 @@ class _RedisStoreBase(Store):
                 if slot.lease is not None:
                     slot.lease.release()
                     slot.lease = None
-
-    def _read_into(self, direct: Any, commands: list[list[Any]], share: Sequence[int], slots: list[_Slot],
-                   pool: BufferPool, waves: Waves) -> None:
-        """One connection's share of a ``get_into`` batch. A failure ends the whole batch: every
-        slot not yet filled gets the error (the consumer raises it at the first such value)."""
-        def on_reply(reader: hooks.DirectReplies, i: int) -> int:
-            leased: list[Lease] = []
-
-            def into(size: int) -> memoryview:
-                lease = pool.lease(size, wait=_LEASE_WAIT) or borrow(array_view(np.empty(size, np.uint8)))
-                leased.append(lease)
-                return lease.view
-
-            try:
-                view = reader.value(into, hashed=True)
-            except BaseException:
-                for lease in leased:
-                    lease.release()
-                raise
-            slot = slots[i]
-            slot.lease = leased[0] if view is not None else None
-            if slot.lease is not None:
-                slot.lease.digest = reader.digest
-            slot.done.set()
-            return 0 if view is None else len(view)
-
-        try:
-            self._exchange(direct, commands, on_reply, waves, share)
-        except Cancelled:
-            pass  # abandoned by the consumer, or another reader failed and filled the slots
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer through the slots
-            waves.cancel()
-            for slot in slots:
-                if not slot.done.is_set():
-                    slot.error = exc
-                    slot.done.set()
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         """SETs over direct sockets (a cluster's go to each key's node). ``items`` is consumed
@@ -491,7 +359,7 @@ class _RedisStoreBase(Store):
             return 0
 
         if batch:
-            self._exchange(pool, [self._set_command(*item) for item in batch], on_reply)
+            exchange(pool, [self._set_command(*item) for item in batch], on_reply, self.config.retries)
 
     def _send_streamed(self, routes: tuple[Callable[[str], Any], int],
                        items: Iterator[tuple[str, WriteValue]]) -> None:
@@ -503,7 +371,7 @@ class _RedisStoreBase(Store):
         whose senders could not all run at once would wait forever on one that never starts."""
         route, servers = routes
         per_server = max(1, self._spread // servers)
-        senders: dict[int, list[_Sender]] = {}  # by id() of their server's pool
+        senders: dict[int, list[Sender]] = {}  # by id() of their server's pool
         redirected: list[tuple[str, WriteValue]] = []  # told MOVED or ASK
         here: list[tuple[str, WriteValue]] = []  # no sender: from this thread
         failed: list[BaseException] = []
@@ -533,78 +401,26 @@ class _RedisStoreBase(Store):
             for sender in every:
                 sender.done.wait()
         if failed:
-            raise _as_redis_error(failed[0])
+            raise as_redis_error(failed[0])
         if redirected:
             self._rerouted(self._redis_writes)
         if redirected or here:
             self._put_pipelined([*redirected, *here])
 
     def _start_senders(self, pool: Any, n: int, redirected: list[tuple[str, WriteValue]],
-                       failed: list[BaseException]) -> list[_Sender]:
+                       failed: list[BaseException]) -> list[Sender]:
         """Up to ``n`` senders on ``pool``'s connections, running; fewer (maybe none) if the
         executor refuses work."""
         executor = self._threads(writes=True)
-        started: list[_Sender] = []
+        started: list[Sender] = []
         for _ in range(n):
-            sender = _Sender(pool)
+            sender = Sender(pool)
             try:
-                executor.submit(self._sender, sender, redirected, failed)
+                executor.submit(run_sender, sender, redirected, failed, self.config.retries)
             except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
                 break
             started.append(sender)
         return started
-
-    def _sender(self, sender: _Sender, redirected: list[tuple[str, WriteValue]],
-                failed: list[BaseException]) -> None:
-        """One connection's share of a streamed write batch: sends each command as it is queued,
-        then reads the replies; a value its node redirected goes to ``redirected``. A connection
-        error retries on a fresh connection, resending what the failed one had (a SET may land
-        twice, to the same effect); a timeout never retries. A failure stops the batch
-        (``failed``)."""
-        pool, work = sender.pool, sender.work
-        sent: list[tuple[tuple[str, WriteValue], list[Any]]] = []
-        done = False  # every command taken from the queue (our end marker seen)
-        try:
-            for attempt in range(self.config.retries + 1):
-                conn = None
-                try:
-                    conn = pool.get_connection()
-                    sock = hooks.raw_socket(conn)
-                    for _, packed in sent:  # a retry resends what the failed connection had
-                        hooks.send_all(sock, packed)
-                    while not done:
-                        taken = work.get()
-                        if taken is None:
-                            done = True
-                        elif not failed:
-                            sent.append(taken)
-                            hooks.send_all(sock, taken[1])
-                    reader = hooks.DirectReplies(sock)
-                    moved = []
-                    for item, _ in sent:
-                        try:
-                            reader.status()
-                        except redis.exceptions.ResponseError as exc:
-                            if not _redirected(exc):
-                                raise
-                            moved.append(item)
-                    redirected.extend(moved)
-                    return
-                except BaseException as exc:  # noqa: BLE001 - handed to the producer through ``failed``
-                    if conn is not None:
-                        conn.disconnect()
-                    retry = (isinstance(exc, _NETWORK_ERRORS) and not isinstance(exc, _TIMEOUTS)
-                             and attempt < self.config.retries and not failed)
-                    if not retry:
-                        failed.append(exc)
-                        while not done:  # keep draining: the producer must never block on a dead sender
-                            done = work.get() is None
-                        return
-                finally:
-                    if conn is not None:
-                        pool.release(conn)
-        finally:
-            sender.done.set()
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._pipeline(("exists", (self._key(k),), {}) for k in keys)]
@@ -666,103 +482,6 @@ class _RedisStoreBase(Store):
                 "ttl": c.ttl, "max_connections": c.max_connections, "timeout": c.timeout}
 
 
+
 def _glob_escape(text: str) -> str:
     return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
-
-
-class RedisStore(_RedisStoreBase):
-    """One Redis (or Valkey) server over TCP, TLS or a Unix socket."""
-
-
-    def _make_client(self, timeout: float) -> redis.Redis:
-        c = self.config
-        kwargs = self._connection_kwargs(timeout)
-        pool_class = kwargs.pop("connection_pool_class")
-        if c.unix_path:
-            kwargs.update(connection_class=hooks.UnixConnection, path=c.unix_path)
-        else:
-            host, port = c.hosts[0]
-            kwargs.update(host=host, port=port)
-        kwargs["retry"] = self._retry()
-        pool = pool_class(db=c.db, **kwargs)
-        return redis.Redis(connection_pool=pool)
-
-    def _direct_pool(self, *, writes: bool = False) -> Any:
-        return (self._redis_writes if writes else self._redis).connection_pool
-
-
-class RedisClusterStore(_RedisStoreBase):
-    """A Redis Cluster: keys hash to slots on several primaries; batches go one per node, and
-    ``get_into`` reads every node of a batch at once."""
-
-    def _direct_reads(self, keys: Sequence[str]) -> list[tuple[Any, list[int]]] | None:
-        client = self._redis
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        try:
-            for i, key in enumerate(keys):
-                node = client.get_node_from_key(self._key(key))
-                by_node.setdefault(node.name, (node, []))[1].append(i)
-            if len(by_node) > MAX_SPREAD:
-                return None  # more nodes than one batch reads at once: the pipeline visits them
-            return [(client.get_redis_connection(node).connection_pool, share) for node, share in by_node.values()]
-        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
-            return None  # e.g. a slot not covered now: the pipeline says what is wrong
-
-    def _write_threads(self) -> int:
-        return MAX_SPREAD  # at least one sender per node a batch touches
-
-    def _write_routes(self) -> tuple[Callable[[str], Any], int] | None:
-        client = self._redis_writes
-        primaries = len(client.get_primaries())
-        if not 0 < primaries <= MAX_SPREAD:
-            return None  # more nodes than one batch writes at once: the pipeline visits them
-
-        def route(key: str) -> Any:
-            try:
-                return client.get_redis_connection(client.get_node_from_key(self._key(key))).connection_pool
-            except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException):
-                return None  # e.g. a slot not covered now: the pipeline says what is wrong
-
-        return route, primaries
-
-    def _execute(self, pipe: Any) -> list[Any]:
-        """The pipeline's replies, a failed command raising. A timeout ends the batch: one
-        deadline. (redis-py's own ``execute`` would then resend every command that failed one by
-        one, a deadline each against a frozen node, and retry timeouts as if they were lost
-        connections.) Only a moved slot runs the batch again: after refreshing the slot map,
-        following the redirections."""
-        stack = hooks.cluster_pipeline_commands(pipe)
-        try:
-            replies: list[Any] = pipe.send_cluster_commands(stack, raise_on_error=False, allow_redirections=False)
-            if any(isinstance(r, (redis.exceptions.MovedError, redis.exceptions.AskError)) for r in replies):
-                self._rerouted(pipe)
-                replies = pipe.send_cluster_commands(stack, raise_on_error=False)
-        finally:
-            pipe.reset()
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return replies
-
-    def _rerouted(self, client: Any) -> None:
-        """Learn the slots' new homes (best effort: the batch that was told MOVED then follows
-        the redirections itself)."""
-        try:
-            client.nodes_manager.initialize()
-        except Exception as exc:  # noqa: BLE001 - an outage shows in the next call, not here
-            log.debug("refreshing the cluster's slots failed: %s", exc)
-
-
-    def _make_client(self, timeout: float) -> redis.cluster.RedisCluster:
-        c = self.config
-        kwargs = self._connection_kwargs(timeout)
-        (host, port), *others = c.hosts
-        # ``url=`` makes redis-py build node pools from these kwargs as given, so our connection
-        # class (and its packer) is used; credentials and TLS stay in kwargs, not in the URL.
-        return redis.cluster.RedisCluster(
-            url=f"redis://{host}:{port}",
-            # redis-py leaves ClusterNode.__init__ unannotated.
-            startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in others],  # type: ignore[no-untyped-call]
-            retry=self._retry(),
-            **kwargs,
-        )
