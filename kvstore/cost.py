@@ -22,6 +22,9 @@ has only been recomputed for ``reprobe_after`` seconds gets one hit's first chun
 measures it again (a link that got fast again is noticed). ``policy``
 forces the answer: ``"always"`` loads every hit, ``"never"`` none. Every decision is counted in
 ``kvstore_load_decisions_total{tier,decision}``.
+
+What the model learns from arrives as ``Measurements`` where the loads and prefills run in
+another process (an adapter ships them: vLLM's in its stats, ``kvstore.connectors.vllm.stats``).
 """
 
 from __future__ import annotations
@@ -30,18 +33,31 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import LOAD_DECISIONS, PREFILL_RATE
 from kvstore.stores.speed import LinkSpeed, transfer_rate
 
-__all__ = ["CostModel", "LoadPlan", "POLICIES"]
+__all__ = ["CostModel", "LoadPlan", "Measurements", "POLICIES"]
 
 log = logging.getLogger("kvstore.cost")
 
 POLICIES = ("auto", "always", "never")
 _ALPHA = 0.2
+
+
+@dataclass
+class Measurements:
+    """What workers measured for the cost model since they last reported: sums, so the reports of
+    several workers (TP ranks) add up to the same rates (``CostModel.observe_reads`` per tier,
+    ``CostModel.observe_prefill``)."""
+
+    #: tier -> (bytes, seconds, reads) of the loads' reads from it.
+    reads: dict[str, tuple[int, float, int]] = field(default_factory=dict)
+    #: Prompt tokens computed by forwards that computed a prefill, and those forwards' seconds.
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

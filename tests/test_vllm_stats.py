@@ -20,13 +20,15 @@ import msgspec
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 
+from kvstore import cost
 from kvstore.connectors.vllm import stats
 from kvstore.connectors.vllm.stats import (
     KVStorePromMetrics,
     KVStoreStats,
-    Measurements,
     PublishesKVStoreStats,
     collect_stats,
+    measurements_from_data,
+    measurements_to_data,
 )
 from kvstore.metrics import Registry
 
@@ -137,8 +139,26 @@ def test_prometheus_series_are_exact_and_labelled_per_engine():
     # Keys of metrics this process does not know (another kvstore version) are ignored.
     prom.observe({'["c","kvstore_unknown_total",[],""]': 1, "not json": 2}, engine_idx=0)
     # A worker's measurements for the cost model travel beside the metrics and are never series.
-    prom.observe(Measurements(reads={"redis": (1 << 20, 0.01, 1)}, prefill_tokens=512, prefill_seconds=0.2).to_data())
+    prom.observe(measurements_to_data(cost.Measurements(reads={"redis": (1 << 20, 0.01, 1)}, prefill_tokens=512,
+                                                        prefill_seconds=0.2)))
     assert "prefill" not in generate_latest(registry).decode()
+
+
+def test_measurements_travel_in_stats_data_and_add_up_over_workers():
+    seen = cost.Measurements(reads={"redis": (1 << 20, 0.01, 2), "idle": (0, 0.0, 0)}, prefill_tokens=512,
+                             prefill_seconds=0.25)
+    data = measurements_to_data(seen)
+    assert measurements_from_data(data) == cost.Measurements(reads={"redis": (1 << 20, 0.01, 2)}, prefill_tokens=512,
+                                                             prefill_seconds=0.25)  # a tier without reads is not sent
+    both = KVStoreStats(data=dict(data)).aggregate(KVStoreStats(data=dict(data)))
+    assert measurements_from_data(both.data) == cost.Measurements(reads={"redis": (2 << 20, 0.02, 4)},
+                                                                  prefill_tokens=1024, prefill_seconds=0.5)
+    assert measurements_from_data({"not json": 1}) == cost.Measurements()
+    # Transitional: the name callers still import from here carries the same wire form as methods.
+    old = stats.Measurements(seen.reads, seen.prefill_tokens, seen.prefill_seconds)
+    assert isinstance(old, cost.Measurements) and old.to_data() == data
+    back = stats.Measurements.from_data(data)
+    assert isinstance(back, stats.Measurements) and back.to_data() == data
 
 
 def test_histogram_fallback_keeps_count_and_sum():

@@ -35,8 +35,9 @@ from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
 from kvstore.connectors.vllm.options import parse_options
 from kvstore.connectors.vllm.plan import external_tokens, failed_blocks, lookup_limit, save_ends
 from kvstore.connectors.vllm.scheduler import SchedulerSide
-from kvstore.connectors.vllm.stats import KVStoreStats, Measurements
+from kvstore.connectors.vllm.stats import KVStoreStats, measurements_from_data, measurements_to_data
 from kvstore.connectors.vllm.worker import WorkerSide
+from kvstore.cost import Measurements
 from kvstore.errors import ConfigError
 from kvstore.keys import check_chunk_tokens
 from kvstore.stores.memory import MemoryStore
@@ -541,16 +542,16 @@ def test_the_scheduler_learns_the_workers_measurements_and_recomputes_through_a_
     run_worker(writer_w, meta)
     # The worker timed that forward, and reports it once (with any reads of its tiers).
     shipped = writer_w.get_kv_connector_stats()
-    seen = Measurements.from_data(shipped.data)
+    seen = measurements_from_data(shipped.data)
     assert seen.prefill_tokens == 300 and seen.prefill_seconds > 0
-    assert Measurements.from_data((writer_w.get_kv_connector_stats() or KVStoreStats(data={})).data).prefill_tokens == 0
+    assert measurements_from_data((writer_w.get_kv_connector_stats() or KVStoreStats(data={})).data).prefill_tokens == 0
 
     sched, work = make_connector("scheduler", store, f), make_connector("worker", store, f)
     work.register_kv_caches(paged("cpu", seed=2))
     assert ask(sched, fake_request("r1", tokens), 0) == (288, True)  # the link is unmeasured: load, to measure it
     # Two TP ranks' reports, summed as vLLM aggregates them: 1,000 prompt tokens/s, 50 kB/s reads.
-    ranks = [KVStoreStats(data=Measurements(reads={tier: (50_000, 1.0, 1)}, prefill_tokens=1000,
-                                            prefill_seconds=1.0).to_data()) for _ in range(2)]
+    ranks = [KVStoreStats(data=measurements_to_data(Measurements(reads={tier: (50_000, 1.0, 1)}, prefill_tokens=1000,
+                                                                 prefill_seconds=1.0))) for _ in range(2)]
     sched.update_connector_output(SimpleNamespace(kv_connector_stats=ranks[0].aggregate(ranks[1]),
                                                   finished_recving=set(), invalid_block_ids=set()))
     assert sched.scheduler.cost.prefill_rate == pytest.approx(1000)
@@ -561,7 +562,7 @@ def test_the_scheduler_learns_the_workers_measurements_and_recomputes_through_a_
     meta2 = step(sched, req2, list(range(10, 20)), computed=0, scheduled=300, new=True)
     assert not meta2.saves  # what every tier holds is not written again
     # A fast link: loading wins again.
-    fast = KVStoreStats(data=Measurements(reads={tier: (10**10, 1.0, 1)}).to_data())
+    fast = KVStoreStats(data=measurements_to_data(Measurements(reads={tier: (10**10, 1.0, 1)})))
     for _ in range(40):
         sched.update_connector_output(SimpleNamespace(kv_connector_stats=fast, finished_recving=set(),
                                                       invalid_block_ids=set()))

@@ -17,8 +17,9 @@ worker that share a process (vLLM's single-process mode) never count the same de
   Plain str keys and numbers: vLLM pickles and msgpacks it between processes.
 * ``aggregate``: counters and histograms add up; a gauge keeps the largest value (the deepest
   queue, the most-open breaker over the engine's processes).
-* kind ``m`` carries what a worker measured for the scheduler's cost model (``Measurements``:
-  its reads per tier, the forward time of its prefill steps), as sums that add up over workers.
+* kind ``m`` carries what a worker measured for the scheduler's cost model
+  (``kvstore.cost.Measurements``: its reads per tier, the forward time of its prefill steps;
+  ``measurements_to_data`` / ``measurements_from_data``), as sums that add up over workers.
   They are not metrics: Prometheus never sees them.
 * Prometheus: each kvstore metric ``kvstore_X`` becomes ``vllm:kvstore_X`` with vLLM's labels
   (``model_name``, ``engine``) followed by its own (``tier``, ``op``...), of the same type;
@@ -34,18 +35,19 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvstore import cost
 from kvstore.metrics import REGISTRY, Counter, Gauge, Histogram, Registry
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 __all__ = ["Measurements", "KVStoreStats", "KVStorePromMetrics", "PublishesKVStoreStats", "collect_stats", "snapshot",
-           "PROM_PREFIX"]
+           "measurements_from_data", "measurements_to_data", "PROM_PREFIX"]
 
 #: Prefix of the republished names: vLLM unregisters only ``vllm:`` collectors when it rebuilds its
 #: Prometheus logger in one process; any other name would be a duplicate time series.
@@ -121,48 +123,53 @@ class _Baseline:
             return out
 
 
-@dataclass
-class Measurements:
-    """What workers measured for the scheduler's cost model since they last reported: sums, so
-    the reports of several workers (TP ranks) add up to the same rates."""
+def measurements_to_data(seen: cost.Measurements) -> dict[str, float]:
+    """``seen`` as entries of a stats object's ``data`` (kind ``m``: sums that ``aggregate`` adds up)."""
+    data: dict[str, float] = {}
+    for tier, (nbytes, seconds, reads) in seen.reads.items():
+        if reads:
+            data.update({_key(_MEASURE, "reads", (tier,), "bytes"): nbytes,
+                         _key(_MEASURE, "reads", (tier,), "seconds"): seconds,
+                         _key(_MEASURE, "reads", (tier,), "count"): reads})
+    if seen.prefill_tokens:
+        data[_key(_MEASURE, "prefill", (), "tokens")] = seen.prefill_tokens
+        data[_key(_MEASURE, "prefill", (), "seconds")] = seen.prefill_seconds
+    return data
 
-    #: tier -> (bytes, seconds, reads) of the loads' reads from it.
-    reads: dict[str, tuple[int, float, int]] = field(default_factory=dict)
-    #: Prompt tokens computed by forwards that computed a prefill, and those forwards' seconds.
-    prefill_tokens: int = 0
-    prefill_seconds: float = 0.0
+
+def measurements_from_data(data: dict[str, Any]) -> cost.Measurements:
+    """The measurements in a stats object's ``data`` (none: empty measurements)."""
+    out = cost.Measurements()
+    reads: dict[str, dict[str, float]] = {}
+    for key, value in data.items():
+        parsed = _parse(key) if key.startswith(f'["{_MEASURE}"') else None
+        if parsed is None:
+            continue
+        _, name, labels, fld = parsed
+        if name == "reads" and len(labels) == 1:
+            reads.setdefault(labels[0], {})[fld] = float(value)
+        elif name == "prefill" and fld == "tokens":
+            out.prefill_tokens = int(value)
+        elif name == "prefill" and fld == "seconds":
+            out.prefill_seconds = float(value)
+    out.reads = {tier: (int(f.get("bytes", 0)), f.get("seconds", 0.0), int(f.get("count", 0)))
+                 for tier, f in reads.items()}
+    return out
+
+
+class Measurements(cost.Measurements):
+    """Transitional: ``kvstore.cost.Measurements`` with its wire form as methods, for callers that
+    still import ``Measurements`` from here (``measure.py``, ``connector.py``, ``scheduler.py``).
+    New code takes ``kvstore.cost.Measurements`` and ``measurements_to_data`` /
+    ``measurements_from_data``."""
 
     def to_data(self) -> dict[str, float]:
-        data: dict[str, float] = {}
-        for tier, (nbytes, seconds, reads) in self.reads.items():
-            if reads:
-                data.update({_key(_MEASURE, "reads", (tier,), "bytes"): nbytes,
-                             _key(_MEASURE, "reads", (tier,), "seconds"): seconds,
-                             _key(_MEASURE, "reads", (tier,), "count"): reads})
-        if self.prefill_tokens:
-            data[_key(_MEASURE, "prefill", (), "tokens")] = self.prefill_tokens
-            data[_key(_MEASURE, "prefill", (), "seconds")] = self.prefill_seconds
-        return data
+        return measurements_to_data(self)
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> Measurements:
-        """The measurements in a stats object's ``data`` (none: an empty object)."""
-        out = cls()
-        reads: dict[str, dict[str, float]] = {}
-        for key, value in data.items():
-            parsed = _parse(key) if key.startswith(f'["{_MEASURE}"') else None
-            if parsed is None:
-                continue
-            _, name, labels, fld = parsed
-            if name == "reads" and len(labels) == 1:
-                reads.setdefault(labels[0], {})[fld] = float(value)
-            elif name == "prefill" and fld == "tokens":
-                out.prefill_tokens = int(value)
-            elif name == "prefill" and fld == "seconds":
-                out.prefill_seconds = float(value)
-        out.reads = {tier: (int(f.get("bytes", 0)), f.get("seconds", 0.0), int(f.get("count", 0)))
-                     for tier, f in reads.items()}
-        return out
+        seen = measurements_from_data(data)
+        return cls(seen.reads, seen.prefill_tokens, seen.prefill_seconds)
 
 
 _BASELINES: dict[int, _Baseline] = {}
