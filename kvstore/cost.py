@@ -155,7 +155,7 @@ class CostModel:
         full = self._plan_for(total, segments, chunk_bytes, hit_tokens, "")
         if self.policy != "auto":
             return self._count(full if self.policy == "always" else self._plan_for(0, segments, chunk_bytes,
-                                                                                   hit_tokens, full.tier))
+                                                                                   hit_tokens, full.tier), full)
         first = segments[0][0].tier  # a load's first chunk comes from here
         now = self._clock()
         chosen = self._choose(full, segments, chunk_tokens, chunk_bytes, hit_tokens, total)
@@ -168,7 +168,7 @@ class CostModel:
             # Recomputing everything from a tier never measures it again: one chunk now and then
             # keeps its estimate current (a link that got fast again is seen), at a bounded cost.
             chosen = self._plan_for(1, segments, chunk_bytes, hit_tokens, full.tier)
-        return self._count(chosen)
+        return self._count(chosen, full)
 
     def _choose(self, full: LoadPlan, segments: Sequence[tuple[LinkSpeed, int, int]], chunk_tokens: Sequence[int],
                 chunk_bytes: int, hit_tokens: int, total: int) -> LoadPlan:
@@ -207,7 +207,10 @@ class CostModel:
             tier = segments[-1][0].tier
         return LoadPlan(chunks, tier, load, self.recompute_seconds(hit_tokens))
 
-    def _count(self, plan: LoadPlan) -> LoadPlan:
+    def _count(self, plan: LoadPlan, full: LoadPlan) -> LoadPlan:
+        """Count ``plan`` (chosen for a hit whose whole load is ``full``); log a change of mind
+        with both estimates: the load (of what is loaded, or of the whole hit when none of it
+        is) against the recompute of the whole hit."""
         decision = "load" if plan.loads else "recompute"
         tier = plan.tier or "none"
         LOAD_DECISIONS.inc(tier=tier, decision=decision)
@@ -215,8 +218,9 @@ class CostModel:
             changed = self._last_choice.get(tier) != plan.loads
             self._last_choice[tier] = plan.loads
         if changed:
+            load = plan.load_seconds if plan.loads else full.load_seconds
             log.info("kvstore: %s hits from tier %s (load %s s vs recompute %s s)", decision, tier,
-                     _fmt(plan.load_seconds), _fmt(plan.recompute_seconds))
+                     _fmt(load), _fmt(plan.recompute_seconds))
         return plan
 
 

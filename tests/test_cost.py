@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 
 from kvstore.cost import CostModel
@@ -103,3 +106,23 @@ def test_a_tier_only_recomputed_is_probed_with_one_chunk_now_and_then():
     for _ in range(30):
         link.read(32 * MIB, 32 * MIB / 5e9)  # the link is fast again
     assert model.plan([(link, 4)], [256] * 4, 32 * MIB).chunks == 4
+
+
+def test_the_decision_log_shows_both_estimates_whichever_is_chosen(caplog):
+    """A change of mind is logged with the load estimate and the recompute estimate, including
+    the one it rejected (a recompute names what loading the hit would have cost)."""
+    model = CostModel()
+    model.observe_prefill(2000, 1.0)  # 1,024 tokens: ~0.512 s to recompute
+    slow, fast = speed("redis", 0.005, 50e6), speed("memory", 1e-5, 10e9)
+    with caplog.at_level(logging.INFO, logger="kvstore.cost"):
+        rejected = model.plan([(slow, 4)], [256] * 4, 32 * MIB)
+        chosen = model.plan([(fast, 4)], [256] * 4, 32 * MIB)
+    assert not rejected.loads and chosen.loads
+    recompute_line, load_line = (r.getMessage() for r in caplog.records if r.name == "kvstore.cost")
+    expected_load = model.load_seconds(slow, 4 * 32 * MIB)
+    assert expected_load is not None and expected_load > 2
+    assert re.fullmatch(r"kvstore: recompute hits from tier redis \(load (\S+) s vs recompute 0\.5120 s\)",
+                        recompute_line)
+    assert f"load {expected_load:.4f} s" in recompute_line  # the estimate it rejected, not the 0 s of loading nothing
+    assert f"load {chosen.load_seconds:.4f} s vs recompute 0.5120 s" in load_line
+    assert load_line.startswith("kvstore: load hits from tier memory")
