@@ -418,16 +418,30 @@ def test_with_async_scheduling_the_step_planned_before_a_failure_was_seen_saves_
 
 
 class SlowStore(MemoryStore):
-    """Reads take ``delay`` seconds per value (a far tier): background loads stay in flight."""
+    """Reads take ``delay`` seconds per value (a far tier): background loads stay in flight.
+    ``wait_reads_ended`` waits until no read is running (nothing can be placed any more)."""
 
     def __init__(self, delay: float) -> None:
         super().__init__()
         self.delay = delay
+        self._reading = 0
+        self._reads = threading.Condition()
 
     def get_into(self, keys, pool):
-        for lease in super().get_into(keys, pool):
-            time.sleep(self.delay)
-            yield lease
+        with self._reads:
+            self._reading += 1
+        try:
+            for lease in super().get_into(keys, pool):
+                time.sleep(self.delay)
+                yield lease
+        finally:
+            with self._reads:
+                self._reading -= 1
+                self._reads.notify_all()
+
+    def wait_reads_ended(self, timeout: float) -> bool:
+        with self._reads:
+            return self._reads.wait_for(lambda: self._reading == 0, timeout=timeout)
 
 
 def test_an_aborted_background_load_stops_and_is_reported_once_and_writes_nothing_after():
@@ -453,16 +467,17 @@ def test_an_aborted_background_load_stops_and_is_reported_once_and_writes_nothin
     work_b.wait_for_save()
     assert work_b.get_finished(set()) == (None, None)  # still loading
     assert sched_b.request_finished(req_b, blocks) == (False, None)  # aborted: no saves were planned
-    reported = []
-    for _ in range(400):  # the abort arrives in the next steps' finished_req_ids
-        sending, recving = work_b.get_finished({"b"} if not reported else set())
-        reported += sorted(recving or ())
-        if reported:
-            break
-        time.sleep(0.005)
+    # The abort arrives in a step's finished_req_ids; the load stops between chunks, and a later
+    # step reports it.
+    _, recving = work_b.get_finished({"b"})
+    reported = sorted(recving or ())
+    assert work_b.worker.wait_idle(10)  # the background load has returned
+    if not reported:
+        _, recving = work_b.get_finished(set())
+        reported = sorted(recving or ())
     assert reported == ["b"]
     snapshot = {k: v.clone() for k, v in dst.items()}
-    time.sleep(0.2)
+    assert store.wait_reads_ended(10)  # whatever could still place a chunk has stopped
     assert all(torch.equal(snapshot[k], dst[k]) for k in dst)  # nothing written after the report
     assert work_b.get_finished(set()) == (None, None)  # reported exactly once
     assert not work_b.get_block_ids_with_load_errors()  # an aborted request has nothing to recompute
@@ -494,14 +509,26 @@ def test_at_interpreter_exit_the_queued_gathers_reach_the_store():
     worker = make_connector("worker", store, f)
     worker.register_kv_caches(paged("cpu", seed=1))
     original = worker.worker._run_save
+    gathering, exiting = threading.Event(), threading.Event()
 
     def slow_save(transfer, spec):
-        time.sleep(0.3)
+        gathering.set()
+        assert exiting.wait(10)  # the gather is still running when the exit hook asks the saver to finish
         original(transfer, spec)
 
+    queue = worker.worker._save_queue
+    put = queue.put
+
+    def put_and_see_the_end(item, *args, **kwargs):
+        put(item, *args, **kwargs)
+        if item is None:  # the exit hook ends the saver's queue, then waits for it
+            exiting.set()
+
+    queue.put = put_and_see_the_end
     worker.worker._run_save = slow_save
     worker.bind_connector_metadata(KVStoreConnectorMetadata(saves=[SaveSpec("x", list(range(64)), [[0, 1]], [64])]))
     worker.wait_for_save()
+    assert gathering.wait(10)
     assert not list(store.iter_keys())  # still gathering
     worker_module._finish_saves_at_exit()
     assert len(list(store.iter_keys())) == 1
