@@ -11,6 +11,12 @@ differ in anything that changes the KV bytes never share a key. The last, shorte
 too (``partial=True``). The functions here are pure and give the same keys in every process and
 on every machine for a given ``FORMAT_VERSION``: golden tests pin them.
 
+**Key spaces.** A deployment that signs its records (``kvstore.record.auth``) keys them in its
+own space: ``Namespace.key_space`` holds the id of the signing key, so records signed with
+different keys never share a key, and deployments with different keys on one store never
+overwrite each other. Keyless namespaces (``key_space=""``) hash exactly as before the field
+existed: their keys are unchanged.
+
 Key grammar: ``kvs<format version>/<namespace id: 16 hex>/<prefix digest: 32 hex>``
 (``split_key``, ``namespace_prefix``); tools group and remove records by its first two parts.
 """
@@ -98,6 +104,8 @@ class Namespace:
     cache_salt: str = ""
     extra: tuple[tuple[str, str], ...] = field(default=())
     format_version: int = FORMAT_VERSION
+    #: The id (hex) of the key that signs this namespace's records; empty when unsigned.
+    key_space: str = ""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -112,11 +120,17 @@ class Namespace:
         """The same namespace for another tenant's ``cache_salt``."""
         return self if cache_salt == self.cache_salt else replace(self, cache_salt=cache_salt)
 
+    def with_key_space(self, key_space: str) -> Namespace:
+        """The same namespace in the key space of the signing key ``key_space`` ("": unsigned)."""
+        return self if key_space == self.key_space else replace(self, key_space=key_space)
+
     @cached_property
     def digest(self) -> bytes:
         """32-byte sha256 of the canonical (sorted, msgpack) encoding of every field."""
         fields = asdict(self)
         fields["extra"] = [list(kv) for kv in sorted(self.extra)]
+        if not self.key_space:
+            del fields["key_space"]  # unsigned namespaces keep the digest (and keys) they always had
         canonical = msgpack.packb(sorted(fields.items()), use_bin_type=True)
         return hashlib.sha256(b"kvstore-namespace\x00" + canonical).digest()
 
@@ -141,6 +155,9 @@ class ChunkKey:
     digest: bytes
     partial: bool
     key: str
+    #: The same chunk in the key spaces of previous keys still accepted (a rotation's window):
+    #: lookups and loads fall back to them (``PrefixCache.keys``); empty otherwise.
+    previous: tuple[ChunkKey, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,14 @@ bytes to place (``load``'s sink). Its promises:
   the key derived for its namespace's cache salt, and ``load`` accepts only records whose tag
   verifies under an accepted key: unsigned, forged and other-key records are counted
   (``kvstore_corrupt_records_total{reason="auth"}``), deleted and missed.
+* **Key spaces.** With ``auth`` every namespace this cache is given is taken in the current
+  key's space (``Namespace.key_space``): its keys, lookups, loads and saves never touch
+  another key's records (nor keyless ones), so deployments with different keys share a store
+  without overwriting each other. During the rotation window (``RecordAuth.previous_key_spaces``)
+  ``keys`` attaches each chunk's keys in the previous spaces (``ChunkKey.previous``): a lookup
+  counts the longer of the spaces' stored prefixes (one more round trip per tier and previous
+  key), a load continues in a previous space from the first chunk the current one lacks, and
+  the next save covering chunks loaded from there re-signs them into the current space.
 """
 
 from __future__ import annotations
@@ -39,11 +47,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
 from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
-from kvstore.keys import ChunkKey, Namespace, TokenIds, chunk_keys, tokens_to_array
+from kvstore.keys import ChunkKey, Namespace, TokenIds, chunk_keys, prefix_keys, tokens_to_array
 from kvstore.metrics import catalog as metrics
 from kvstore.record import DTYPES, Record, RecordHeader, decode_record, encode_record_pieces
 from kvstore.record.auth import RecordAuth, TagKeys
@@ -55,7 +63,7 @@ __all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "stored_by_tier"]
 
 log = logging.getLogger(__name__)
 
-_REJECTED_MAX = 4096  # chunk keys a cache remembers as rejected until a save rewrites them
+_REWRITE_MAX = 4096  # chunk keys a cache remembers to rewrite until a save does
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,9 @@ def stored_by_tier(store: Store, shards: Sequence[Sequence[ChunkKey]]) -> list[i
                 held = [0] * len(held)
                 break
             counts = store.longest_prefix_by_tier([k.key for k in keys])
+            for j in range(len(keys[0].previous)):  # a rotation's window: the previous keys' spaces too
+                older = store.longest_prefix_by_tier([k.previous[j].key for k in keys])
+                counts = [max(a, b) for a, b in zip(counts, older)]
             held = counts if i == 0 else [min(a, b) for a, b in zip(held, counts)]
             if not any(held):
                 break
@@ -133,17 +144,20 @@ class PrefixCache:
     def __init__(self, store: Store, namespace: Namespace, *, codec: str = "raw",
                  pool: BufferPool | None = None, auth: RecordAuth | None = None) -> None:
         self.store = store
-        self.namespace = namespace
+        self.auth = auth
+        #: The key space of this cache's records: the current key's id (keyless: "").
+        self.key_space = auth.key_space if auth is not None else ""
+        self.namespace = namespace.with_key_space(self.key_space)
         #: Where loads receive records (and transfers gather chunks): resident, reused buffers.
         self.pool = pool or default_pool()
-        self.auth = auth
         itemsize = DTYPES.get(namespace.kv_dtype)
         if itemsize is None:
             raise ConfigError(f"kv_dtype={namespace.kv_dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
         self.chain = resolve_chain(codec, itemsize)
-        # Chunks a load rejected (oldest first): saves rewrite from them on (see "Healing").
-        self._rejected: OrderedDict[str, None] = OrderedDict()
-        self._rejected_lock = threading.Lock()
+        # Chunks to rewrite (oldest first): True where a load rejected the record ("Healing"),
+        # False where it took the chunk from a previous key's space ("Key spaces").
+        self._rewrite: OrderedDict[str, bool] = OrderedDict()
+        self._rewrite_lock = threading.Lock()
 
     @property
     def chunk_tokens(self) -> int:
@@ -151,12 +165,22 @@ class PrefixCache:
 
     def keys(self, tokens: TokenIds, *, namespace: Namespace | None = None,
              include_partial: bool = True, max_tokens: int | None = None) -> list[ChunkKey]:
-        """Chunk keys of ``tokens`` (optionally only chunks ending at or before ``max_tokens``)."""
-        ns = namespace or self.namespace
+        """Chunk keys of ``tokens`` (optionally only chunks ending at or before ``max_tokens``), in
+        this cache's key space; during a rotation window each carries its previous-space keys."""
+        ns = self.in_space(namespace or self.namespace)
         keys = chunk_keys(ns, tokens, include_partial=include_partial)
         if max_tokens is not None:
             keys = [k for k in keys if k.end <= max_tokens]
+        older = self.auth.previous_key_spaces() if self.auth is not None else []
+        if older and keys:
+            spaces = [chunk_keys(ns.with_key_space(space), tokens, include_partial=include_partial)[:len(keys)]
+                      for space in older]
+            keys = [replace(k, previous=tuple(space[i] for space in spaces)) for i, k in enumerate(keys)]
         return keys
+
+    def in_space(self, namespace: Namespace) -> Namespace:
+        """``namespace`` in this cache's key space (what every key, load and save here uses)."""
+        return namespace.with_key_space(self.key_space)
 
     def lookup(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading ``keys`` are stored in some tier (0 if the store is unavailable)."""
@@ -189,13 +213,37 @@ class PrefixCache:
         carrying another is rejected; one carrying none is fine); all are checked before the
         sink runs. Stops at the first missing or invalid chunk.
         """
-        ns = namespace or self.namespace
+        ns = self.in_space(namespace or self.namespace)
         result = LoadResult()
         if not keys:
             return result
         expect = _Expect(ns, shapes, hidden_dtype, hidden_shape, self._tag_keys(ns))
         start = time.perf_counter()
         arr = tokens_to_array(tokens)
+        done = self._receive(keys, arr, expect, sink, result)
+        older = self.auth.previous_key_spaces() if self.auth is not None and keys[0].previous else []
+        for j, space in enumerate(older[:len(keys[0].previous)]):
+            if result.reason != "miss" or done >= len(keys):
+                break
+            # A rotation's window: continue in a previous key's space where the current one ends;
+            # what comes from there is re-signed into the current space by the next save.
+            rest = keys[done:]
+            result.reason = "hit"
+            placed = self._receive([k.previous[j] for k in rest], arr,
+                                   replace(expect, namespace=ns.with_key_space(space)), sink, result)
+            self._remember(rest[:placed], heal=False)
+            done += placed
+        metrics.HITS.inc(result.num_chunks)
+        metrics.MISSES.inc(len(keys) - result.num_chunks)
+        metrics.TOKENS_LOADED.inc(result.num_tokens)
+        metrics.LATENCY.observe(time.perf_counter() - start, op="load")
+        return result
+
+    def _receive(self, keys: Sequence[ChunkKey], arr: TokenIds, expect: _Expect,
+                 sink: Callable[[ChunkKey, Record], None], result: LoadResult) -> int:
+        """Fetch ``keys`` in one batch and place them in order up to the first missing or bad
+        one (``result.reason`` says which); how many were placed."""
+        placed = 0
         stream = self.store.get_into([k.key for k in keys], self.pool)
         try:
             for chunk, lease in zip(keys, stream):
@@ -207,16 +255,13 @@ class PrefixCache:
                         break
                 finally:
                     lease.release()
+                placed += 1
         except KVStoreError as exc:  # a store that is not tiered fails as a whole: a miss
             log.debug("load failed: %s", exc)
             result.reason = "unavailable"
         finally:
             stream.close()
-        metrics.HITS.inc(result.num_chunks)
-        metrics.MISSES.inc(len(keys) - result.num_chunks)
-        metrics.TOKENS_LOADED.inc(result.num_tokens)
-        metrics.LATENCY.observe(time.perf_counter() - start, op="load")
-        return result
+        return placed
 
     def _tag_keys(self, ns: Namespace) -> TagKeys | None:
         return self.auth.for_salt(ns.cache_salt) if self.auth is not None else None
@@ -234,7 +279,7 @@ class PrefixCache:
         except CorruptRecordError as exc:
             metrics.CORRUPT.inc(reason=exc.reason)
             log.warning("discarding stored record %s: %s", chunk.key, exc)
-            self._remember_rejected(chunk.key)
+            self._remember([chunk], heal=True)
             self._discard(chunk.key)
             result.reason = "corrupt"
             return False
@@ -265,9 +310,10 @@ class PrefixCache:
         written in any case, and so is every chunk after it (module docstring: "Healing").
         ``payload`` is called only for chunks written.
         """
-        ns = namespace or self.namespace
+        ns = self.in_space(namespace or self.namespace)
         if not keys:
             return 0
+        keys = self._keys_in_space(ns, tokens, keys)
         start = time.perf_counter()
         if from_token is not None:
             first = next((i for i, k in enumerate(keys) if k.end > from_token), len(keys))
@@ -275,9 +321,9 @@ class PrefixCache:
             first = self._stored_prefix(keys)
         else:
             first = 0
-        heal = self._first_rejected(keys)
-        if heal is not None:
-            first = min(first, heal)
+        rewrite, heal = self._to_rewrite(keys)
+        if rewrite is not None:
+            first = min(first, rewrite)
         if first >= len(keys):
             return 0
         arr = tokens_to_array(tokens)
@@ -312,9 +358,10 @@ class PrefixCache:
         items = made
         if items:
             metrics.TOKENS_SAVED.inc(keys[-1].end - keys[first].start)
-        if heal is not None and items:
-            self._forget_rejected(keys[heal:])
-            metrics.HEALS.inc(len(keys) - heal)
+        if rewrite is not None and items:
+            self._forget(keys[first:])
+            if heal is not None:
+                metrics.HEALS.inc(len(keys) - heal)
         metrics.LATENCY.observe(time.perf_counter() - start, op="save")
         return len(items)
 
@@ -327,24 +374,34 @@ class PrefixCache:
             log.debug("save pre-check failed: %s", exc)
             return 0
 
-    def _remember_rejected(self, key: str) -> None:
-        with self._rejected_lock:
-            self._rejected[key] = None
-            self._rejected.move_to_end(key)
-            while len(self._rejected) > _REJECTED_MAX:
-                self._rejected.popitem(last=False)
+    def _keys_in_space(self, ns: Namespace, tokens: TokenIds, keys: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
+        """``keys`` (the chunks of ``tokens`` a caller hashed under another key space, e.g. with
+        ``prefix_keys`` and the namespace it was built with) as the same chunks in ``ns``."""
+        if keys[0].key.startswith(ns.key_prefix):
+            return keys
+        wanted = {(k.start, k.end) for k in keys}
+        return [k for k in prefix_keys(ns, tokens, [k.end for k in keys]) if (k.start, k.end) in wanted]
 
-    def _first_rejected(self, keys: Sequence[ChunkKey]) -> int | None:
-        """The index of the first of ``keys`` a load rejected, if any."""
-        with self._rejected_lock:
-            if not self._rejected:
-                return None
-            return next((i for i, k in enumerate(keys) if k.key in self._rejected), None)
+    def _remember(self, chunks: Sequence[ChunkKey], *, heal: bool) -> None:
+        with self._rewrite_lock:
+            for chunk in chunks:
+                self._rewrite[chunk.key] = heal or self._rewrite.get(chunk.key, False)
+                self._rewrite.move_to_end(chunk.key)
+            while len(self._rewrite) > _REWRITE_MAX:
+                self._rewrite.popitem(last=False)
 
-    def _forget_rejected(self, keys: Sequence[ChunkKey]) -> None:
-        with self._rejected_lock:
+    def _to_rewrite(self, keys: Sequence[ChunkKey]) -> tuple[int | None, int | None]:
+        """The index of the first of ``keys`` to rewrite, and of the first to heal, if any."""
+        with self._rewrite_lock:
+            if not self._rewrite:
+                return None, None
+            marks = [(i, self._rewrite[k.key]) for i, k in enumerate(keys) if k.key in self._rewrite]
+        return (marks[0][0] if marks else None), next((i for i, heal in marks if heal), None)
+
+    def _forget(self, keys: Sequence[ChunkKey]) -> None:
+        with self._rewrite_lock:
             for k in keys:
-                self._rejected.pop(k.key, None)
+                self._rewrite.pop(k.key, None)
 
     def _discard(self, key: str) -> None:
         try:

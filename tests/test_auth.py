@@ -167,18 +167,25 @@ def test_keyless_writer_never_reaches_a_keyed_reader(tmp_path, monkeypatch):
     assert keyless.stats.chunks_saved == 4
     keyless.close()
 
+    unsigned = _records(url)
     reader = _agent(url, "KVSTORE_E2E_KEY")
     out = ModelRunner(CFG, reader).generate([prompt], 8)
     assert out.tokens == baseline and out.tokens_loaded == 0  # nothing of the keyless writer was loaded
-    assert auth_rejects.value(reason="auth") - before == 1  # its first chunk, counted (and deleted)
-    assert reader.stats.chunks_saved == 4  # the keyed reader stored signed records instead
+    # Keyed records live in their key's space: the keyless ones are never even fetched, and stay.
+    assert auth_rejects.value(reason="auth") - before == 0
+    assert reader.stats.chunks_saved == 4  # the keyed reader stored signed records beside them
     reader.close()
+    assert {k: v for k, v in _records(url).items() if k in unsigned} == unsigned
 
     again = _agent(url, "KVSTORE_E2E_KEY")
     out = ModelRunner(CFG, again).generate([prompt], 8)
     assert out.bypassed and out.tokens_loaded == len(prompt) and out.tokens == baseline
-    assert auth_rejects.value(reason="auth") - before == 1
+    assert auth_rejects.value(reason="auth") - before == 0
     again.close()
+    # And the keyless reader (a documented choice: keyed and keyless deployments do not share)
+    # still hits its own unsigned records, never the signed ones.
+    out = ModelRunner(CFG, _agent(url)).generate([prompt], 8)
+    assert out.bypassed and out.tokens_loaded == len(prompt) and out.tokens == baseline
 
     # A keyless writer that overwrites a signed record (forged KV, valid checksum) changes nothing.
     xfer = next(iter(again._transfers.values()))
@@ -192,5 +199,79 @@ def test_keyless_writer_never_reaches_a_keyed_reader(tmp_path, monkeypatch):
     last = _agent(url, "KVSTORE_E2E_KEY")
     out = ModelRunner(CFG, last).generate([prompt], 8)
     assert out.tokens == baseline and out.tokens_loaded == 32  # the first chunk, then the forged one is a miss
-    assert auth_rejects.value(reason="auth") - before == 2
+    assert auth_rejects.value(reason="auth") - before == 1
     last.close()
+
+
+def _records(url):
+    from kvstore.stores import open_store
+
+    store = open_store(url)
+    try:
+        return {k: bytes(store.get(k)) for k in store.iter_keys()}
+    finally:
+        store.close()
+
+
+def _prompt(seed, n=100):
+    rng = random.Random(seed)
+    return [rng.randrange(CFG.vocab_size) for _ in range(n)]
+
+
+def test_two_keys_on_one_store_do_not_fight(tmp_path, monkeypatch):
+    """Writers with keys K1 and K2 on one store: each keys its records in its own space, so a K2
+    reader misses K1's records (and recomputes) without touching them, and K1 readers still hit
+    all of it afterwards; the K2 records it wrote are K2's alone."""
+    monkeypatch.setenv("KVSTORE_K1", KEY_A.hex())
+    monkeypatch.setenv("KVSTORE_K2", KEY_B.hex())
+    url = f"file://{tmp_path / 'kv'}"
+    prompt = _prompt(11)
+    baseline = ModelRunner(CFG).generate([prompt], 8).tokens
+    before = CORRUPT.value(reason="auth")
+    k1 = _agent(url, "KVSTORE_K1")
+    ModelRunner(CFG, k1).generate([prompt], 8)
+    k1.close()
+    signed_k1 = _records(url)
+    assert len(signed_k1) == 4
+
+    k2 = _agent(url, "KVSTORE_K2")
+    out = ModelRunner(CFG, k2).generate([prompt], 8)
+    assert out.tokens == baseline and out.tokens_loaded == 0 and k2.stats.chunks_saved == 4
+    k2.close()
+    after = _records(url)
+    assert {k: v for k, v in after.items() if k in signed_k1} == signed_k1  # K1's records untouched
+    k2_keys = set(after) - set(signed_k1)
+    assert len(k2_keys) == 4 and {read_header(after[k]).key_id for k in k2_keys} == {RecordAuth([KEY_B]).key_id}
+    assert CORRUPT.value(reason="auth") == before  # nobody even fetched the other key's records
+
+    for env in ("KVSTORE_K1", "KVSTORE_K2"):
+        out = ModelRunner(CFG, _agent(url, env)).generate([prompt], 8)
+        assert out.bypassed and out.tokens_loaded == len(prompt) and out.tokens == baseline, env
+
+
+def test_a_rotation_reads_the_previous_keys_space_and_moves_it_to_the_new_one(tmp_path, monkeypatch):
+    """Keys "K2 K1" (K1 previous): within the window a reader hits K1's records and its save
+    re-signs them into K2's space, so once the window is over (keys "K2" alone) they still hit."""
+    monkeypatch.setenv("KVSTORE_OLD", KEY_A.hex())
+    monkeypatch.setenv("KVSTORE_ROTATED", f"{KEY_B.hex()} {KEY_A.hex()}")
+    monkeypatch.setenv("KVSTORE_NEW", KEY_B.hex())
+    url = f"file://{tmp_path / 'kv'}"
+    prompt = _prompt(12)
+    baseline = ModelRunner(CFG).generate([prompt], 8).tokens
+    ModelRunner(CFG, _agent(url, "KVSTORE_OLD")).generate([prompt], 8)
+    old = _records(url)
+
+    rotating = _agent(url, "KVSTORE_ROTATED")
+    out = ModelRunner(CFG, rotating).generate([prompt[:90]], 8)  # a shorter prompt: a partial hit, then a save
+    assert out.tokens_loaded == 64 and out.tokens == ModelRunner(CFG).generate([prompt[:90]], 8).tokens
+    rotating.close()
+    out = ModelRunner(CFG, _agent(url, "KVSTORE_ROTATED")).generate([prompt], 8)
+    assert out.bypassed and out.tokens_loaded == len(prompt) and out.tokens == baseline
+    moved = {k: v for k, v in _records(url).items() if k not in old}
+    assert moved and {read_header(v).key_id for v in moved.values()} == {RecordAuth([KEY_B]).key_id}
+
+    # After the window: the previous key's space is not read; what was moved still hits.
+    out = ModelRunner(CFG, _agent(url, "KVSTORE_NEW")).generate([prompt[:90]], 8)
+    assert out.bypassed and out.tokens_loaded == 90
+    out = ModelRunner(CFG, _agent(url, "KVSTORE_ROTATED", auth_previous_window=0)).generate([prompt], 8)
+    assert out.tokens == baseline and out.tokens_loaded == 64  # K1's chunks 2-3 are no longer read

@@ -86,7 +86,7 @@ def _bases() -> list[Base]:
             for with_hidden in (True, False):
                 salt = "tenant-a" if signed else ""
                 ns = Namespace(model="fuzz", kv_dtype=dtype, layout="t", block_size=4, chunk_tokens=16,
-                               layer_end=2, cache_salt=salt)
+                               layer_end=2, cache_salt=salt, key_space=_AUTH.key_space if signed else "")
                 tokens = rng.integers(0, 50_000, 40)
                 chunk = chunk_keys(ns, tokens)[1]  # a middle chunk: start 16
                 itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}[dtype]

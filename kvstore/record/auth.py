@@ -17,6 +17,12 @@ Keys:
   salt (BLAKE3 ``derive_key``): a tenant's records verify only under its own salt.
 * A record names the deployment key that signed it by an 8-byte key id (derived, it reveals
   nothing of the key), so a reader picks the key instead of trying each.
+* **Key spaces.** Records live in the key space of the key that signed them (its id in
+  ``Namespace.key_space``, so in every store key): deployments with different keys on one store
+  never overwrite each other, and a reader never even fetches another key's records. During a
+  rotation's window readers also look in the previous keys' spaces, and what they load from
+  there is re-signed into the current space by their next save (``PrefixCache``). A keyless
+  reader and keyed writers do not share records either: each keeps to its own space.
 
 ``blake3`` is an optional dependency (``pip install 'kvstore[auth]'``): kvstore imports without
 it, and configuring a key without it is a ``ConfigError`` naming the extra.
@@ -192,6 +198,16 @@ class RecordAuth:
     def key_id(self) -> bytes:
         """The id of the current key (the one writers sign with)."""
         return self._ids[0]
+
+    @property
+    def key_space(self) -> str:
+        """The key space of this deployment's records (``Namespace.key_space``): the current key's id."""
+        return self._ids[0].hex()
+
+    def previous_key_spaces(self) -> list[str]:
+        """The key spaces of the previous keys while they are still accepted (the rotation
+        window), else none: readers look there too, writers never write there."""
+        return [k.hex() for k in self._ids[1:]] if self._clock() < self._until else []
 
     def for_salt(self, cache_salt: str) -> TagKeys:
         """The tag keys of the tenant whose namespaces carry ``cache_salt``."""
