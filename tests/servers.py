@@ -183,7 +183,10 @@ class RedisServer:
                 "--unixsocketperm", "700", "--protected-mode", "no"]
         if cluster:
             argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", "2000"]
+                     # Long enough that a node frozen by a test, or starved of CPU on a busy CI
+                     # machine, is never marked failed: without replicas a failed primary takes
+                     # the whole cluster down ("CLUSTERDOWN") for every later test.
+                     "--cluster-node-timeout", "15000"]
         self._proc = _Process(argv + list(extra_args), self.dir)
         args = list(extra_args)
         self.password = args[args.index("--requirepass") + 1] if "--requirepass" in args else None
@@ -274,6 +277,9 @@ class RedisCluster:
         return [n.port for n in self.nodes]
 
     def flushall(self) -> None:
+        """Empty every node, once every node again reports the cluster ``ok`` (a test before may
+        have frozen or starved one)."""
+        wait_until(self._ready, 30, "redis cluster")
         for node in self.nodes:
             node.flushall()
 

@@ -9,6 +9,7 @@ import pytest
 import redis
 from servers import freeze, thaw
 
+from kvstore.keys import KEY_PREFIX as _K  # keys shaped like the product's
 from kvstore.stores import open_store
 from kvstore.stores.redis import RedisClusterStore
 from kvstore.testing.store_tests import StoreTests
@@ -43,12 +44,12 @@ def test_the_cluster_runs_the_program_it_is_named_for(redis_cluster):
 
 def test_keys_spread_over_every_node_and_batches_work_across_slots(redis_cluster):
     redis_cluster.flushall()
-    keys = [f"kvs1/ns/{i:04x}" for i in range(60)]
+    keys = [f"{_K}/ns/{i:04x}" for i in range(60)]
     with open_store(redis_cluster.url) as store:
         store.put_many([(k, k.encode()) for k in keys])
-        assert store.longest_prefix(keys + ["kvs1/ns/absent"]) == 60
+        assert store.longest_prefix(keys + [f"{_K}/ns/absent"]) == 60
         assert [bytes(v) for v in store.get_many(keys)] == [k.encode() for k in keys]
-        assert sorted(store.iter_keys("kvs1/ns/")) == sorted(keys)  # SCAN on every primary
+        assert sorted(store.iter_keys(f"{_K}/ns/")) == sorted(keys)  # SCAN on every primary
     per_node = []
     for port in redis_cluster.ports:
         with redis.Redis(port=port) as node:
@@ -70,7 +71,7 @@ def test_get_into_reads_every_node_at_once_into_pool_leases(redis_cluster):
     from kvstore.buffers import BufferPool
 
     redis_cluster.flushall()
-    keys = [f"kvs1/ns/{i:04x}" for i in range(12)]
+    keys = [f"{_K}/ns/{i:04x}" for i in range(12)]
     values = {k: os.urandom(200_000 + i) for i, k in enumerate(keys)}
     pool = BufferPool(64 << 20)
     with open_store(redis_cluster.url) as store:
@@ -78,7 +79,7 @@ def test_get_into_reads_every_node_at_once_into_pool_leases(redis_cluster):
         routes = store._direct_reads(keys)
         assert routes is not None and len(routes) == 3  # the batch's keys live on all three primaries
         got = []
-        for lease in store.get_into([*keys, "kvs1/ns/absent"], pool):
+        for lease in store.get_into([*keys, f"{_K}/ns/absent"], pool):
             got.append(None if lease is None else bytes(lease.view))
             if lease is not None:
                 lease.release()
@@ -102,7 +103,7 @@ def _misroute(store, client, key):
 
 def test_get_into_finishes_a_batch_whose_slots_moved_and_learns_their_homes(redis_cluster):
     redis_cluster.flushall()
-    keys = [f"kvs1/mv/{i:04x}" for i in range(9)]
+    keys = [f"{_K}/mv/{i:04x}" for i in range(9)]
     with open_store(redis_cluster.url) as store:
         store.put_many([(k, k.encode()) for k in keys])
         from kvstore.buffers import BufferPool
@@ -118,7 +119,7 @@ def test_get_into_finishes_a_batch_whose_slots_moved_and_learns_their_homes(redi
 
 def test_put_many_writes_every_node_at_once_over_direct_sockets(redis_cluster):
     redis_cluster.flushall()
-    keys = [f"kvs1/dw/{i:04x}" for i in range(12)]
+    keys = [f"{_K}/dw/{i:04x}" for i in range(12)]
     values = {k: os.urandom(100_000 + i) for i, k in enumerate(keys)}
     with open_store(redis_cluster.url) as store:
         store._put_pipelined = lambda items: pytest.fail(f"pipelined: {list(items)}")
@@ -132,7 +133,7 @@ def test_put_many_writes_every_node_at_once_over_direct_sockets(redis_cluster):
 
 def test_put_many_resends_a_value_whose_slot_moved_and_learns_its_home(redis_cluster):
     redis_cluster.flushall()
-    keys = [f"kvs1/wm/{i:04x}" for i in range(9)]
+    keys = [f"{_K}/wm/{i:04x}" for i in range(9)]
     with open_store(redis_cluster.url) as store:
         store.put("warm", b"up")  # the write client knows the slots
         manager, slot, home, rerouted = _misroute(store, store._redis_writes, keys[4])
@@ -157,14 +158,14 @@ def test_a_frozen_node_costs_get_into_one_short_deadline(redis_cluster):
     from kvstore.errors import StoreUnavailableError
 
     redis_cluster.flushall()
-    keys = [f"kvs1/fz/{i:04x}" for i in range(30)]
+    keys = [f"{_K}/fz/{i:04x}" for i in range(30)]
     value = b"v" * 100_000
     pool = BufferPool(16 << 20)
     with open_store(redis_cluster.url + DEADLINE_OPTIONS) as store:
         store.put_many([(k, value) for k in keys])
         assert store.get_many(keys) == [value] * len(keys)  # the read client and its connections are up
         pid = redis_cluster.nodes[1]._proc.proc.pid
-        freeze(pid)  # thawed long before the cluster's node timeout (2 s) could mark it failed
+        freeze(pid)  # thawed long before the cluster's node timeout (15 s, tests/servers.py) could mark it failed
         try:
             start = time.monotonic()
             with pytest.raises(StoreUnavailableError):
@@ -183,7 +184,7 @@ def test_a_frozen_node_costs_a_pipelined_batch_one_short_deadline(redis_cluster)
     from kvstore.errors import StoreUnavailableError
 
     redis_cluster.flushall()
-    keys = [f"kvs1/fp/{i:04x}" for i in range(30)]
+    keys = [f"{_K}/fp/{i:04x}" for i in range(30)]
     with open_store(redis_cluster.url + DEADLINE_OPTIONS) as store:
         store.put_many([(k, b"v") for k in keys])
         assert store.get_many(keys) == [b"v"] * len(keys)  # connections to every node are up
@@ -204,7 +205,7 @@ def test_a_frozen_node_costs_a_write_batch_one_short_deadline(redis_cluster):
     from kvstore.errors import StoreUnavailableError
 
     redis_cluster.flushall()
-    keys = [f"kvs1/fw/{i:04x}" for i in range(30)]
+    keys = [f"{_K}/fw/{i:04x}" for i in range(30)]
     value = b"w" * 100_000
     with open_store(redis_cluster.url + DEADLINE_OPTIONS) as store:
         store.put_many([(k, value) for k in keys])  # the write client and a connection to every node are up

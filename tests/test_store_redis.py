@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.keys import KEY_PREFIX as _K  # keys shaped like the product's
 from kvstore.stores import open_store
 from kvstore.stores.redis import RedisConfig, RedisStore
 from kvstore.testing.store_tests import StoreTests
@@ -103,7 +104,7 @@ def test_a_write_batch_splits_its_bytes_evenly_over_its_connections(redis_server
 
     redis_server.flushall()
     sizes = [256 << 10] * 12 + [512 << 10] * 2 + [128 << 10] * 4  # 5 MiB: 1.25 MiB per connection
-    items = [(f"kvs1/even/{i:02d}", bytes([i]) * n) for i, n in enumerate(sizes)]
+    items = [(f"{_K}/even/{i:02d}", bytes([i]) * n) for i, n in enumerate(sizes)]
     proxy = ShapedProxy(redis_server.port, rate=20e6)
     try:
         with open_store(f"redis://127.0.0.1:{proxy.port}/0?connections=4&write_timeout=30s") as store:
@@ -125,8 +126,8 @@ def test_reads_in_waves_return_every_value_in_order(redis_server, monkeypatch, c
 
     monkeypatch.setattr(redis_base, "_IN_FLIGHT_BYTES", 1 << 20)
     sizes = [300 << 10, 2 << 20, 0, 700 << 10, 1 << 20, 64, 0, 1500 << 10] * 3
-    values = {f"kvs1/wave/{i:02d}": os.urandom(n) for i, n in enumerate(sizes) if n}
-    keys = [f"kvs1/wave/{i:02d}" for i in range(len(sizes))]
+    values = {f"{_K}/wave/{i:02d}": os.urandom(n) for i, n in enumerate(sizes) if n}
+    keys = [f"{_K}/wave/{i:02d}" for i in range(len(sizes))]
     with open_store(f"{redis_server.url}?connections={connections}") as store:
         store.put_many(values.items())
         assert store.get_many(keys) == [values.get(k) for k in keys]

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.keys import KEY_PREFIX as _K  # keys shaped like the product's
 from kvstore.stores import open_store
 from kvstore.stores.s3 import S3Config, S3Store
 from kvstore.testing.store_tests import StoreTests
@@ -44,7 +45,7 @@ def test_large_record_and_views(s3_server):
 
 
 def test_longest_prefix_spans_several_windows_and_stops_at_a_gap(s3_server):
-    keys = [f"kvs1/w/{i:03d}" for i in range(40)]
+    keys = [f"{_K}/w/{i:03d}" for i in range(40)]
     with open_store(s3_server.url_for("win", max_workers="8")) as store:
         store.put_many([(k, b"v") for k in keys[:29] + keys[30:]])
         assert store.longest_prefix(keys) == 29

@@ -19,7 +19,11 @@ from typing import Any
 import xxhash
 
 from kvstore.buffers import BufferPool, Pieces
+from kvstore.keys import KEY_PREFIX
 from kvstore.stores.base import Store
+
+#: The stem of the product's keys and its format version (``kvs<format version>/...``).
+_K = KEY_PREFIX
 
 
 class _Sha256Seal:
@@ -66,53 +70,53 @@ class StoreTests(ABC):
 
     # -- get / put / delete / exists ------------------------------------------------------------
     def test_get_missing_is_none(self, store: Store) -> None:
-        assert store.get("kvs1/test/missing") is None
-        assert store.exists("kvs1/test/missing") is False
+        assert store.get(f"{_K}/test/missing") is None
+        assert store.exists(f"{_K}/test/missing") is False
 
     def test_put_then_get(self, store: Store) -> None:
-        store.put("kvs1/test/a", b"hello")
-        assert _value(store, "kvs1/test/a") == b"hello"
-        assert store.exists("kvs1/test/a")
-        assert self.bypass_get(store, "kvs1/test/a") == b"hello"
+        store.put(f"{_K}/test/a", b"hello")
+        assert _value(store, f"{_K}/test/a") == b"hello"
+        assert store.exists(f"{_K}/test/a")
+        assert self.bypass_get(store, f"{_K}/test/a") == b"hello"
 
     def test_put_accepts_bytearray_and_memoryview(self, store: Store) -> None:
         buf = bytearray(b"0123456789")
-        store.put("kvs1/test/ba", buf)
-        store.put("kvs1/test/mv", memoryview(buf)[2:6])
+        store.put(f"{_K}/test/ba", buf)
+        store.put(f"{_K}/test/mv", memoryview(buf)[2:6])
         buf[:] = b"xxxxxxxxxx"  # callers may reuse their buffers once put returns
-        assert _value(store, "kvs1/test/ba") == b"0123456789"
-        assert _value(store, "kvs1/test/mv") == b"2345"
+        assert _value(store, f"{_K}/test/ba") == b"0123456789"
+        assert _value(store, f"{_K}/test/mv") == b"2345"
 
     def test_overwrite(self, store: Store) -> None:
-        store.put("kvs1/test/k", b"one")
-        store.put("kvs1/test/k", b"two!")
-        assert _value(store, "kvs1/test/k") == b"two!"
+        store.put(f"{_K}/test/k", b"one")
+        store.put(f"{_K}/test/k", b"two!")
+        assert _value(store, f"{_K}/test/k") == b"two!"
 
     def test_empty_value(self, store: Store) -> None:
-        store.put("kvs1/test/empty", b"")
-        value = store.get("kvs1/test/empty")
+        store.put(f"{_K}/test/empty", b"")
+        value = store.get(f"{_K}/test/empty")
         assert value is not None and bytes(value) == b""
 
     def test_delete(self, store: Store) -> None:
-        store.put("kvs1/test/d", b"x")
-        assert store.delete("kvs1/test/d") is True
-        assert store.get("kvs1/test/d") is None
-        assert store.delete("kvs1/test/d") is False
+        store.put(f"{_K}/test/d", b"x")
+        assert store.delete(f"{_K}/test/d") is True
+        assert store.get(f"{_K}/test/d") is None
+        assert store.delete(f"{_K}/test/d") is False
 
     def test_large_value_roundtrip(self, store: Store) -> None:
         value = os.urandom(self.large_value_bytes)
-        store.put("kvs1/test/large", value)
-        assert _value(store, "kvs1/test/large") == value
+        store.put(f"{_K}/test/large", value)
+        assert _value(store, f"{_K}/test/large") == value
 
     def test_value_written_directly_is_read(self, store: Store) -> None:
-        self.bypass_put(store, "kvs1/test/planted", b"planted")
-        assert _value(store, "kvs1/test/planted") == b"planted"
+        self.bypass_put(store, f"{_K}/test/planted", b"planted")
+        assert _value(store, f"{_K}/test/planted") == b"planted"
 
     # -- batch forms ----------------------------------------------------------------------------
     def test_put_many_get_many(self, store: Store) -> None:
-        items = [(f"kvs1/test/m{i}", os.urandom(100 + i)) for i in range(20)]
+        items = [(f"{_K}/test/m{i}", os.urandom(100 + i)) for i in range(20)]
         store.put_many(items)
-        got = store.get_many([k for k, _ in items] + ["kvs1/test/absent"])
+        got = store.get_many([k for k, _ in items] + [f"{_K}/test/absent"])
         assert [g if g is None else bytes(g) for g in got[:-1]] == [v for _, v in items]
         assert got[-1] is None
 
@@ -120,11 +124,11 @@ class StoreTests(ABC):
         assert store.get_many([]) == []
 
     def test_exists_many(self, store: Store) -> None:
-        store.put_many([("kvs1/test/e0", b"0"), ("kvs1/test/e2", b"2")])
-        assert store.exists_many(["kvs1/test/e0", "kvs1/test/e1", "kvs1/test/e2"]) == [True, False, True]
+        store.put_many([(f"{_K}/test/e0", b"0"), (f"{_K}/test/e2", b"2")])
+        assert store.exists_many([f"{_K}/test/e0", f"{_K}/test/e1", f"{_K}/test/e2"]) == [True, False, True]
 
     def test_longest_prefix(self, store: Store) -> None:
-        keys = [f"kvs1/test/p{i}" for i in range(10)]
+        keys = [f"{_K}/test/p{i}" for i in range(10)]
         assert store.longest_prefix(keys) == 0
         store.put_many([(k, b"v") for k in keys[:6]])
         store.put(keys[8], b"v")  # present but after a gap: not part of the prefix
@@ -133,40 +137,40 @@ class StoreTests(ABC):
         assert store.longest_prefix([]) == 0
 
     def test_delete_many(self, store: Store) -> None:
-        store.put_many([(f"kvs1/test/x{i}", b"v") for i in range(4)])
-        assert store.delete_many([f"kvs1/test/x{i}" for i in range(6)]) == 4
-        assert store.get("kvs1/test/x0") is None
+        store.put_many([(f"{_K}/test/x{i}", b"v") for i in range(4)])
+        assert store.delete_many([f"{_K}/test/x{i}" for i in range(6)]) == 4
+        assert store.get(f"{_K}/test/x0") is None
 
     def test_size_many(self, store: Store) -> None:
-        store.put("kvs1/test/s", b"12345")
-        assert store.size_many(["kvs1/test/s", "kvs1/test/none"]) == [5, None]
+        store.put(f"{_K}/test/s", b"12345")
+        assert store.size_many([f"{_K}/test/s", f"{_K}/test/none"]) == [5, None]
 
     def test_iter_keys(self, store: Store) -> None:
-        store.put_many([("kvs1/aa/1", b"1"), ("kvs1/aa/2", b"2"), ("kvs1/bb/1", b"3")])
-        assert sorted(store.iter_keys("kvs1/aa/")) == ["kvs1/aa/1", "kvs1/aa/2"]
-        assert set(store.iter_keys()) >= {"kvs1/aa/1", "kvs1/aa/2", "kvs1/bb/1"}
+        store.put_many([(f"{_K}/aa/1", b"1"), (f"{_K}/aa/2", b"2"), (f"{_K}/bb/1", b"3")])
+        assert sorted(store.iter_keys(f"{_K}/aa/")) == [f"{_K}/aa/1", f"{_K}/aa/2"]
+        assert set(store.iter_keys()) >= {f"{_K}/aa/1", f"{_K}/aa/2", f"{_K}/bb/1"}
 
     # -- values in pieces, reads into leased buffers ----------------------------------------------
     def test_put_pieces_stores_them_joined(self, store: Store) -> None:
         big = os.urandom(3 << 20)
-        store.put("kvs1/test/pc", Pieces([b"head:", bytearray(b"body:"), memoryview(b"tail")]))
-        store.put_many([("kvs1/test/pc-big", Pieces([b"h" * 100, memoryview(big)]))])
-        assert _value(store, "kvs1/test/pc") == b"head:body:tail"
-        assert _value(store, "kvs1/test/pc-big") == b"h" * 100 + big
+        store.put(f"{_K}/test/pc", Pieces([b"head:", bytearray(b"body:"), memoryview(b"tail")]))
+        store.put_many([(f"{_K}/test/pc-big", Pieces([b"h" * 100, memoryview(big)]))])
+        assert _value(store, f"{_K}/test/pc") == b"head:body:tail"
+        assert _value(store, f"{_K}/test/pc-big") == b"h" * 100 + big
         store.flush(10)
-        assert self.bypass_get(store, "kvs1/test/pc") == b"head:body:tail"
+        assert self.bypass_get(store, f"{_K}/test/pc") == b"head:body:tail"
 
     def test_sealed_pieces_end_with_their_trailer(self, store: Store) -> None:
         # A record's checksum is such a trailer: computed as the store sends the pieces.
         big = os.urandom((3 << 20) + 5)
-        expected = {"kvs1/test/seal": b"head" + big + hashlib.sha256(big).digest(),
-                    "kvs1/test/seal-small": b"h" + b"body" + hashlib.sha256(b"body").digest()}
-        store.put("kvs1/test/seal", Pieces([b"head", memoryview(big)], seal=_Sha256Seal()))
-        store.put_many([("kvs1/test/seal-small", Pieces([b"h", b"body"], seal=_Sha256Seal()))])
+        expected = {f"{_K}/test/seal": b"head" + big + hashlib.sha256(big).digest(),
+                    f"{_K}/test/seal-small": b"h" + b"body" + hashlib.sha256(b"body").digest()}
+        store.put(f"{_K}/test/seal", Pieces([b"head", memoryview(big)], seal=_Sha256Seal()))
+        store.put_many([(f"{_K}/test/seal-small", Pieces([b"h", b"body"], seal=_Sha256Seal()))])
         for key, value in expected.items():
             assert _value(store, key) == value
         store.flush(10)
-        assert self.bypass_get(store, "kvs1/test/seal") == expected["kvs1/test/seal"]
+        assert self.bypass_get(store, f"{_K}/test/seal") == expected[f"{_K}/test/seal"]
 
     def test_a_leased_value_outlives_its_writers_release(self, store: Store) -> None:
         pool = BufferPool(8 << 20)
@@ -174,20 +178,20 @@ class StoreTests(ABC):
         lease = pool.lease(len(expected))
         assert lease is not None
         lease.view[:] = expected
-        store.put("kvs1/test/lease", Pieces([b"hdr", lease.view], owner=lease))
+        store.put(f"{_K}/test/lease", Pieces([b"hdr", lease.view], owner=lease))
         lease.release()  # the caller is done; a store that keeps the value must have retained it
         again = pool.lease(len(expected))  # the same buffer, unless the store still holds it
         assert again is not None
         again.view[:] = bytes(len(expected))
         store.flush(10)
-        assert _value(store, "kvs1/test/lease") == b"hdr" + expected
+        assert _value(store, f"{_K}/test/lease") == b"hdr" + expected
         again.release()
 
     def test_get_into_yields_leases_in_key_order(self, store: Store) -> None:
-        items = [(f"kvs1/test/gi{i}", os.urandom(1000 + (i % 3) * (1 << 20))) for i in range(6)]
+        items = [(f"{_K}/test/gi{i}", os.urandom(1000 + (i % 3) * (1 << 20))) for i in range(6)]
         store.put_many(items)
         pool = BufferPool(64 << 20)
-        keys = [k for k, _ in items[:3]] + ["kvs1/test/gi-missing"] + [k for k, _ in items[3:]]
+        keys = [k for k, _ in items[:3]] + [f"{_K}/test/gi-missing"] + [k for k, _ in items[3:]]
         want = [v for _, v in items[:3]] + [None] + [v for _, v in items[3:]]
         got = []
         for lease in store.get_into(keys, pool):
@@ -201,7 +205,7 @@ class StoreTests(ABC):
     def test_a_digest_set_on_a_lease_is_exactly_the_values(self, store: Store) -> None:
         # Readers check records against it: a wrong one would pass a corrupt record, or reject a good one.
         sizes = [0, 7, 8, 9, 1000, (3 << 20) + 3]
-        items = [(f"kvs1/test/dg{i}", os.urandom(n)) for i, n in enumerate(sizes)]
+        items = [(f"{_K}/test/dg{i}", os.urandom(n)) for i, n in enumerate(sizes)]
         store.put_many(items)
         pool = BufferPool(64 << 20)
         for (_, value), lease in zip(items, store.get_into([k for k, _ in items], pool)):
@@ -211,7 +215,7 @@ class StoreTests(ABC):
             lease.release()
 
     def test_get_into_closed_early_releases_what_it_prefetched(self, store: Store) -> None:
-        items = [(f"kvs1/test/ge{i}", os.urandom(2 << 20)) for i in range(8)]
+        items = [(f"{_K}/test/ge{i}", os.urandom(2 << 20)) for i in range(8)]
         store.put_many(items)
         pool = BufferPool(64 << 20)
         stream = store.get_into([k for k, _ in items], pool)
@@ -225,13 +229,13 @@ class StoreTests(ABC):
     def test_flush_says_every_accepted_write_landed(self, store: Store) -> None:
         # Callers that shut down or hand a store over rely on True meaning "nothing is pending".
         assert store.flush(10) is True  # nothing written yet
-        items = [(f"kvs1/test/fl{i}", os.urandom(1000 + i)) for i in range(8)]
+        items = [(f"{_K}/test/fl{i}", os.urandom(1000 + i)) for i in range(8)]
         store.put_many(items)
-        store.put("kvs1/test/fl-one", b"one")
+        store.put(f"{_K}/test/fl-one", b"one")
         assert store.flush(10) is True
         for key, value in items:
             assert self.bypass_get(store, key) == value
-        assert self.bypass_get(store, "kvs1/test/fl-one") == b"one"
+        assert self.bypass_get(store, f"{_K}/test/fl-one") == b"one"
         assert store.flush(0) is True  # idle again: even a zero timeout has nothing to wait for
 
     def test_deadline_is_none_or_a_positive_bound(self, store: Store) -> None:
@@ -249,7 +253,7 @@ class StoreTests(ABC):
         def work(t: int) -> None:
             try:
                 for i in range(25):
-                    key = f"kvs1/test/t{t}-{i}"
+                    key = f"{_K}/test/t{t}-{i}"
                     value = bytes([t, i]) * 500
                     store.put(key, value)
                     with lock:
@@ -278,7 +282,7 @@ class StoreTests(ABC):
         errors: list[BaseException] = []
 
         def batch(t: int, b: int) -> list[tuple[str, bytes]]:
-            return [(f"kvs1/test/cb{t}-{b}-{i}", bytes([t, b, i]) * 20_000) for i in range(8)]
+            return [(f"{_K}/test/cb{t}-{b}-{i}", bytes([t, b, i]) * 20_000) for i in range(8)]
 
         def work(t: int) -> None:
             try:
