@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from kvstore.connectors.vllm.plugin import CONNECTOR_MODULE, CONNECTOR_NAME
 from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.metrics.catalog import BYTES_WRITTEN
@@ -57,7 +58,7 @@ class VLLMWarmEngine(WarmEngine):
         kwargs: dict[str, Any] = {"model": model, "skip_tokenizer_init": True}
         kwargs.update(engine_args or {})
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="kvstore.connectors.vllm.connector",
+            kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_both", kv_connector_extra_config=extra)
         self.model = model
         self.batch_size = batch_size
