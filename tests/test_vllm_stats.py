@@ -154,11 +154,6 @@ def test_measurements_travel_in_stats_data_and_add_up_over_workers():
     assert measurements_from_data(both.data) == cost.Measurements(reads={"redis": (2 << 20, 0.02, 4)},
                                                                   prefill_tokens=1024, prefill_seconds=0.5)
     assert measurements_from_data({"not json": 1}) == cost.Measurements()
-    # Transitional: the name callers still import from here carries the same wire form as methods.
-    old = stats.Measurements(seen.reads, seen.prefill_tokens, seen.prefill_seconds)
-    assert isinstance(old, cost.Measurements) and old.to_data() == data
-    back = stats.Measurements.from_data(data)
-    assert isinstance(back, stats.Measurements) and back.to_data() == data
 
 
 def test_histogram_fallback_keeps_count_and_sum():

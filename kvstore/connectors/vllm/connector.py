@@ -45,7 +45,7 @@ from kvstore.connectors.vllm.facts import check_vllm_version, engine_facts
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.connectors.vllm.options import parse_options
 from kvstore.connectors.vllm.scheduler import SchedulerSide
-from kvstore.connectors.vllm.stats import KVStoreStats, PublishesKVStoreStats
+from kvstore.connectors.vllm.stats import KVStoreStats, PublishesKVStoreStats, measurements_to_data
 from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.stores import shared
 
@@ -201,7 +201,7 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
     def get_kv_connector_stats(self) -> KVStoreStats | None:
         """kvstore's metric deltas; a worker adds what it measured for the scheduler's cost model."""
         stats = super().get_kv_connector_stats()
-        extra = self.worker.measure.take().to_data() if self.worker is not None else {}
+        extra = measurements_to_data(self.worker.measure.take()) if self.worker is not None else {}
         if not extra:
             return stats
         if stats is None:

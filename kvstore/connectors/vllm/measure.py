@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from kvstore.connectors.vllm.stats import Measurements
+from kvstore.cost import Measurements
 from kvstore.stores import Store
 
 __all__ = ["PREFILL_SAMPLE_TOKENS", "WorkerMeasurements"]

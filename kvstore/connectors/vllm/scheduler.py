@@ -53,7 +53,7 @@ from kvstore.connectors.vllm.plan import (
     window_ends,
     window_start,
 )
-from kvstore.connectors.vllm.stats import Measurements
+from kvstore.connectors.vllm.stats import measurements_from_data
 from kvstore.cost import CostModel
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, TokenIds
@@ -229,7 +229,7 @@ class SchedulerSide:
         stats = getattr(connector_output, "kv_connector_stats", None)
         if stats is None:
             return
-        seen = Measurements.from_data(getattr(stats, "data", None) or {})
+        seen = measurements_from_data(getattr(stats, "data", None) or {})
         self.cost.observe_prefill(seen.prefill_tokens, seen.prefill_seconds)
         tiers = {t.name: t.speed for t in self.store.tiers}
         for name, (nbytes, seconds, reads) in seen.reads.items():

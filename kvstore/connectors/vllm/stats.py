@@ -46,7 +46,7 @@ from kvstore.metrics import REGISTRY, Counter, Gauge, Histogram, Registry
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["Measurements", "KVStoreStats", "KVStorePromMetrics", "PublishesKVStoreStats", "collect_stats", "snapshot",
+__all__ = ["KVStoreStats", "KVStorePromMetrics", "PublishesKVStoreStats", "collect_stats", "snapshot",
            "measurements_from_data", "measurements_to_data", "PROM_PREFIX"]
 
 #: Prefix of the republished names: vLLM unregisters only ``vllm:`` collectors when it rebuilds its
@@ -155,21 +155,6 @@ def measurements_from_data(data: dict[str, Any]) -> cost.Measurements:
     out.reads = {tier: (int(f.get("bytes", 0)), f.get("seconds", 0.0), int(f.get("count", 0)))
                  for tier, f in reads.items()}
     return out
-
-
-class Measurements(cost.Measurements):
-    """Transitional: ``kvstore.cost.Measurements`` with its wire form as methods, for callers that
-    still import ``Measurements`` from here (``measure.py``, ``connector.py``, ``scheduler.py``).
-    New code takes ``kvstore.cost.Measurements`` and ``measurements_to_data`` /
-    ``measurements_from_data``."""
-
-    def to_data(self) -> dict[str, float]:
-        return measurements_to_data(self)
-
-    @classmethod
-    def from_data(cls, data: dict[str, Any]) -> Measurements:
-        seen = measurements_from_data(data)
-        return cls(seen.reads, seen.prefill_tokens, seen.prefill_seconds)
 
 
 _BASELINES: dict[int, _Baseline] = {}
