@@ -16,8 +16,9 @@ Constructor semantics (V0's):
 * The connector's options come from ``kv_transfer_config``: ``kv_role`` is the agent's role and
   ``kv_connector_extra_config`` holds ``AgentConfig``'s other options (``store`` is required;
   unknown keys are rejected by name). ``model`` defaults to ``config.model_config.model`` and
-  ``model_fingerprint`` to a hash of the model config (name, revision, dtype, quantization and
-  the HF config when present): KV is shared only between equal models.
+  ``model_fingerprint`` to ``kvstore.connectors.model.model_fingerprint`` of the model config
+  (its HF config, dtype, revision and quantization: the vLLM connector's algorithm): KV is shared
+  only between equal models.
 * ``rank`` is the global rank; the tensor-parallel rank is ``rank % tensor_parallel_size``
   (V0 numbers ranks TP-fastest across pipeline stages), ``tensor_parallel_size`` comes from
   ``config.parallel_config``. Pipeline stages are told apart by the model's
@@ -29,13 +30,12 @@ uses ``SimpleNamespace``).
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvstore.connectors.agent.agent import KVStoreAgent
 from kvstore.connectors.agent.config import AgentConfig
+from kvstore.connectors.model import model_fingerprint
 from kvstore.connectors.roles import KV_ROLE_NAMES
 from kvstore.errors import ConfigError
 
@@ -52,17 +52,13 @@ def _is_kv_transfer_instance(ktc: Any) -> bool:
 
 
 def _fingerprint(model_config: Any) -> str:
+    """``model_fingerprint`` of vLLM's model config (the vLLM connector's algorithm)."""
     hf = getattr(model_config, "hf_config", None)
     to_dict = getattr(hf, "to_dict", None)
-    blob = {
-        "model": getattr(model_config, "model", None),
-        "revision": getattr(model_config, "revision", None),
-        "dtype": str(getattr(model_config, "dtype", "")),
-        "quantization": getattr(model_config, "quantization", None),
-        "hf_config": to_dict() if callable(to_dict) else hf,
-    }
-    text = json.dumps(blob, sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    config = to_dict() if callable(to_dict) else (hf if isinstance(hf, dict) else {"hf_config": str(hf)})
+    dtype = str(getattr(model_config, "dtype", "")).removeprefix("torch.")
+    return model_fingerprint(config, dtype=dtype, revision=getattr(model_config, "revision", None),
+                             quantization=getattr(model_config, "quantization", None))
 
 
 def agent_config_from_vllm(rank: int, local_rank: int, config: Any) -> AgentConfig:

