@@ -23,8 +23,9 @@ class VLLMWarmEngine(WarmEngine):
     """vLLM in-process with the kvstore connector (``connectors.vllm_v1``), prompts in batches.
 
     The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the warm
-    run asks the connector's scheduler side itself for the keys it saves (its namespaces, one
-    per TP rank, and its lookup limit) and checks them in the connector's own store. ``engine_args`` are extra
+    run asks the connector (``kvstore.connectors.vllm.inprocess``) for the keys it saves (its
+    namespaces, one per KV cache group and TP rank, and its lookup limit) and checks them in the
+    connector's own store. ``engine_args`` are extra
     ``vllm.LLM`` arguments; prompts are token ids, so the tokenizer is not loaded by default.
     """
 
@@ -33,8 +34,8 @@ class VLLMWarmEngine(WarmEngine):
     def __init__(self, model: str, store: str | Sequence[str], *, chunk_tokens: int | None = None,
                  codec: str | None = None, kv_config: dict[str, Any] | None = None,
                  engine_args: dict[str, Any] | None = None, batch_size: int = 16) -> None:
+        from kvstore.connectors.vllm.inprocess import InProcessConnector, connectors_now
         from kvstore.connectors.vllm.options import parse_options
-        from kvstore.connectors.vllm.scheduler import live_schedulers
 
         if batch_size < 1:
             raise ConfigError(f"--batch-size {batch_size} must be at least 1")
@@ -63,7 +64,7 @@ class VLLMWarmEngine(WarmEngine):
         self.model = model
         self.batch_size = batch_size
         self._flush_timeout = opts.flush_timeout
-        before = set(map(id, live_schedulers()))
+        before = connectors_now()
         try:
             self.llm = LLM(**kwargs)
         except (KVStoreError, ImportError):
@@ -71,10 +72,9 @@ class VLLMWarmEngine(WarmEngine):
         except (OSError, ValueError, RuntimeError) as exc:
             raise EngineUnavailableError(f"vLLM could not start with model {model!r}: {exc}") from exc
         self.params = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False)
-        mine = [s for s in live_schedulers() if id(s) not in before and s.opts.store == opts.store]
-        self.scheduler = mine[-1] if mine else None
-        self._store = self.scheduler.store if self.scheduler is not None else None
-        if self.scheduler is None:
+        self.connector = InProcessConnector.started_after(before, opts.store)
+        self._store = self.connector.store if self.connector is not None else None
+        if self.connector is None:
             log.warning("the kvstore connector is not reachable in this process: every prompt will run")
 
     @property
@@ -82,7 +82,7 @@ class VLLMWarmEngine(WarmEngine):
         return self._store
 
     def keys(self, tokens: Sequence[int]) -> list[ChunkKey] | None:
-        return None if self.scheduler is None else self.scheduler.chunk_keys(tokens)
+        return None if self.connector is None else self.connector.chunk_keys(tokens)
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self.llm.generate([{"prompt_token_ids": list(tokens)}], self.params, use_tqdm=False)
@@ -103,18 +103,14 @@ class VLLMWarmEngine(WarmEngine):
     def flush(self) -> None:
         """Wait for the connector's background saves (a prompt's generate returns before its
         gather has run, with save_mode=async), then for the stores' writes."""
-        from kvstore.connectors.vllm.worker import live_workers
-
-        for worker in live_workers():
-            if not worker.wait_idle(self._flush_timeout):
-                log.warning("kvstore: background saves still running after %.0fs", self._flush_timeout)
-            worker.store.flush()
+        if self.connector is not None and not self.connector.wait_saved(self._flush_timeout):
+            log.warning("kvstore: background saves still running after %.0fs", self._flush_timeout)
         super().flush()
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {"engine": self.name, "model": self.model, "batch_size": self.batch_size}
-        if self.scheduler is not None:
-            d["namespace"] = self.scheduler.caches[0].namespace.id
+        if self.connector is not None:
+            d["namespace"] = self.connector.namespace_id
         return d
 
     def close(self) -> None:
