@@ -84,7 +84,8 @@ LOAD_DECISIONS = REGISTRY.counter("kvstore_load_decisions_total",
                                   "Load-or-recompute decisions by the tier a hit would load from: load or recompute.",
                                   ("tier", "decision"))
 SAVE_DROPS = REGISTRY.counter("kvstore_save_drops_total",
-                              "Saves an engine adapter dropped before gathering them (queue_full).", ("reason",))
+                              "Saves an engine adapter dropped before gathering them (queue_full; shutdown: still "
+                              "queued when flush_timeout ran out at exit).", ("reason",))
 BYPASSED = REGISTRY.counter("kvstore_bypassed_requests_total",
                             "Requests an engine adapter neither loads nor saves, by reason (recurrent_state: "
                             "the model keeps state kvstore cannot restore; multimodal: inputs the keys cannot "

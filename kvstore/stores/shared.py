@@ -5,7 +5,12 @@ they share a process); they must share one memory tier and one set of background
 each build their own. ``acquire(urls)`` returns the process's store for ``urls`` (built on first
 use) and ``release(urls, timeout)`` gives it back: the last user's release drains the write
 queues for at most ``timeout`` and closes it; earlier releases only flush. Stores still held at
-interpreter exit are closed (bounded) then.
+interpreter exit are closed then, draining for the longest ``flush_timeout`` their users gave
+``acquire`` (else the store's own ``close_timeout``): an engine that exits without shutting its
+connector down gets the drain it was configured for, and what is still queued then is dropped,
+logged and counted (``kvstore_write_drops_total{reason="closed"}``). This hook is registered
+before any adapter's (they import this module first), so it runs after theirs: adapters finish
+their gathers into the store before it closes.
 """
 
 from __future__ import annotations
@@ -19,28 +24,30 @@ from kvstore.stores.tiered import TieredStore
 
 __all__ = ["acquire", "release"]
 
-_EXIT_TIMEOUT = 5.0
-
-
 @dataclass
 class _Entry:
     store: TieredStore
     users: int = 0
+    #: The longest drain a user asked for (``acquire(flush_timeout=)``); None: the store's own.
+    flush_timeout: float | None = None
 
 
 _lock = threading.Lock()
 _entries: dict[tuple[str, ...], _Entry] = {}
 
 
-def acquire(urls: Sequence[str]) -> TieredStore:
+def acquire(urls: Sequence[str], flush_timeout: float | None = None) -> TieredStore:
     """The shared store of ``urls`` (always tiered, even for one URL: a shared tier then gets a
-    background writer and a breaker)."""
+    background writer and a breaker). ``flush_timeout``: how long this user wants queued writes
+    drained if the process exits while it still holds the store."""
     key = tuple(urls)
     with _lock:
         entry = _entries.get(key)
         if entry is None:
             entry = _entries[key] = _Entry(TieredStore.from_urls(list(key)))
         entry.users += 1
+        if flush_timeout is not None:
+            entry.flush_timeout = max(entry.flush_timeout or 0.0, flush_timeout)
         return entry.store
 
 
@@ -68,6 +75,6 @@ def _close_all() -> None:
         _entries.clear()
     for entry in entries:
         try:
-            entry.store.close(_EXIT_TIMEOUT)
+            entry.store.close(entry.flush_timeout)
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass

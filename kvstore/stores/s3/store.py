@@ -90,6 +90,7 @@ class S3Store(Store):
         self._writes: Any = None  # the uploads' client, built on the first write (a reader never needs it)
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._pool_lock = threading.Lock()
+        self._closed = False
 
     def _make_client(self, session: Any, read_timeout: float) -> Any:
         c = self.config
@@ -133,6 +134,8 @@ class S3Store(Store):
         pool = self._pools.get(kind)
         if pool is None:
             with self._pool_lock:
+                if self._closed:
+                    raise self._unavailable("closed")
                 pool = self._pools.get(kind)
                 if pool is None:
                     pool = self._pools[kind] = ThreadPoolExecutor(self.config.max_workers,
@@ -141,12 +144,16 @@ class S3Store(Store):
 
     def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
         """``fn`` over ``items`` on the write pool, results in order; the first error is raised."""
+        if self._closed:
+            raise self._unavailable("closed")
         if len(items) <= 1:
             return [fn(i) for i in items]
         pool = self._pool("write")
         try:
             futures = [pool.submit(fn, i) for i in items]
         except RuntimeError:  # interpreter exit: executors refuse work before atexit hooks drain writes
+            if self._closed:
+                raise self._unavailable("closed") from None
             return [fn(i) for i in items]  # writes and deletes are idempotent: any already submitted may rerun
         return [f.result() for f in futures]
 
@@ -156,7 +163,20 @@ class S3Store(Store):
         if not items:
             return []
         end = time.monotonic() + self.config.deadline if end is None else end
-        futures: list[Future[R]] = [self._pool("read").submit(fn, i) for i in items]
+        pool = self._pool("read")
+        try:
+            futures: list[Future[R]] = [pool.submit(fn, i) for i in items]
+        except RuntimeError:  # the interpreter is exiting (executors refuse work then), or closed
+            if self._closed:
+                raise self._unavailable("closed") from None
+            # Inline, as _map does: a save's lookup at exit still gets its answer (each request
+            # keeps its socket timeout; the deadline is checked between them).
+            out = []
+            for i in items:
+                if time.monotonic() > end:
+                    raise self._unavailable(f"no answer within deadline={self.config.deadline:g}s") from None
+                out.append(fn(i))
+            return out
         _, pending = wait(futures, timeout=max(0.0, end - time.monotonic()))
         if pending:
             for f in pending:
@@ -197,6 +217,8 @@ class S3Store(Store):
     def _write_client(self) -> Any:
         if self._writes is None:
             with self._pool_lock:
+                if self._closed:
+                    raise self._unavailable("closed")
                 if self._writes is None:
                     self._writes = self._make_client(self._session, self.config.write_timeout)
         return self._writes
@@ -389,15 +411,31 @@ class S3Store(Store):
 
     # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
+        """Stop the pools and the clients; later calls fail as ``StoreUnavailableError("closed")``
+        (a tiered store's miss). Writes already handed to the write pool still run to their end
+        on their own client, which is closed after them: a caller that closes this store while a
+        write is in flight (a drain that ran out of time) gets that write's own answer, never a
+        shut pool. Reads are cancelled: they have deadlines, and nothing waits for them."""
         with self._pool_lock:
-            pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            # Reads waited for no longer than their deadline; a thread still stuck on a frozen
-            # server ends by its socket timeout, so waiting here would only delay shutdown.
-            pool.shutdown(wait=False, cancel_futures=True)
+            self._closed = True
+            pools, self._pools = dict(self._pools), {}
+        # A thread still stuck on a frozen server ends by its socket timeout, so waiting here
+        # would only delay shutdown.
+        if "read" in pools:
+            pools["read"].shutdown(wait=False, cancel_futures=True)
         self._client.close()
-        if self._writes is not None:
-            self._writes.close()
+        writes, uploads = pools.get("write"), self._writes
+        if writes is None:
+            if uploads is not None:
+                uploads.close()
+            return
+
+        def finish() -> None:
+            writes.shutdown(wait=True)
+            if uploads is not None:
+                uploads.close()
+
+        threading.Thread(target=finish, name="kvstore-s3-close", daemon=True).start()
 
     @property
     def deadline(self) -> float:

@@ -1,6 +1,7 @@
 """One store in a tiered stack: the store, its circuit breaker, its prober and (shared tiers) its writer.
 
-Every call goes through ``_guarded``: skipped while the breaker is not closed, a failure counted
+Every call goes through ``_guarded``: skipped while the breaker is not closed or once the tier
+is stopped (its store is being closed: a miss, never a call into a closed store), a failure counted
 and reported to the breaker (an expired deadline, ``StoreTimeoutError``, opens it at once). No
 caller ever probes a tier that is out of use: while the breaker is open, a daemon thread of
 the tier (``kvstore-probe-<tier>``) waits for the cooldown and probes with one cheap call
@@ -66,7 +67,7 @@ class Tier:
         have what they need (``zip`` with their keys), which closes the stream before its end."""
         if not keys:
             return
-        if not self.breaker.allow():
+        if self._stopped.is_set() or not self.breaker.allow():
             yield from [None] * len(keys)
             return
         start = time.perf_counter()
@@ -110,8 +111,8 @@ class Tier:
         self._start_prober()
 
     def _guarded(self, op: str, fn: Callable[[], T], default: T) -> T:
-        if not self.breaker.allow():
-            return default
+        if self._stopped.is_set() or not self.breaker.allow():
+            return default  # stopped: the tiered store closed its stores (a miss, not a failure)
         start = time.perf_counter()
         try:
             result = fn()
@@ -151,7 +152,8 @@ class Tier:
                 self.breaker.success()
 
     def stop(self) -> None:
-        """Stop the prober (the tiered store is closing)."""
+        """Stop the prober and every call (the tiered store is closing its stores, once its
+        writers drained): from now on reads are misses and writes fail, none reaching the store."""
         self._stopped.set()
         prober = self._prober
         if prober is not None:
