@@ -70,3 +70,24 @@ def test_a_save_told_where_to_start_makes_no_lookup():
     built.clear()
     assert cache.save(tokens, keys, payload, from_token=16) == 3
     assert built == [1, 2, 3]
+
+
+def test_a_worker_saving_a_plan_asks_the_store_nothing():
+    """The vLLM worker saves what the scheduler planned (``SaveSpec.start``) without a lookup:
+    neither a plan's first save nor the next one, which starts where the first ended."""
+    pytest.importorskip("vllm")
+    from test_vllm_unit import facts, make_connector, paged
+
+    from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
+
+    store = CountingStore(MemoryStore())
+    worker = make_connector("worker", store, facts(), save_mode="sync")
+    worker.register_kv_caches(paged("cpu"))
+    tokens = list(range(500, 800))
+    blocks = [list(range(1, 10))]
+    for spec in (SaveSpec("r", tokens[:128], blocks, [128], start=0),
+                 SaveSpec("r", tokens[:288], blocks, [256, 288], start=128)):
+        worker.bind_connector_metadata(KVStoreConnectorMetadata(saves=[spec]))
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+    assert len(list(store.iter_keys())) == 5 and store.lookups == 0
