@@ -20,6 +20,7 @@ from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import CORRUPT
 from kvstore.record.auth import TAG_BYTES, RecordAuth, shared_auth
 from kvstore.reference import PRESETS, ModelRunner
+from kvstore.stores import open_store
 
 NS = Namespace(model="m", kv_dtype="bfloat16", layout="t", block_size=4, chunk_tokens=8, layer_end=1,
                cache_salt="tenant")
@@ -190,12 +191,14 @@ def test_keyless_writer_never_reaches_a_keyed_reader(tmp_path, monkeypatch):
     # A keyless writer that overwrites a signed record (forged KV, valid checksum) changes nothing.
     xfer = next(iter(again._transfers.values()))
     keys = xfer.keys(prompt)
-    rec = decode_record(again.store.get(keys[1].key))
+    raw = open_store(url)  # the agent's store is closed: a closed store answers misses
+    rec = decode_record(raw.get(keys[1].key))
     noisy = np.frombuffer(rec.kv, np.float32) + 0.5
-    again.store.put(keys[1].key, encode_record(
+    raw.put(keys[1].key, encode_record(
         namespace=xfer.cache.namespace, chunk=keys[1], tokens=prompt[32:64], dtype=rec.header.dtype,
         shapes=rec.header.shapes, kv=noisy.astype(np.float32), hidden=rec.hidden,
         hidden_dtype=rec.header.hidden_dtype, hidden_shape=rec.header.hidden_shape))
+    raw.close()
     last = _agent(url, "KVSTORE_E2E_KEY")
     out = ModelRunner(CFG, last).generate([prompt], 8)
     assert out.tokens == baseline and out.tokens_loaded == 32  # the first chunk, then the forged one is a miss
@@ -204,8 +207,6 @@ def test_keyless_writer_never_reaches_a_keyed_reader(tmp_path, monkeypatch):
 
 
 def _records(url):
-    from kvstore.stores import open_store
-
     store = open_store(url)
     try:
         return {k: bytes(store.get(k)) for k in store.iter_keys()}
