@@ -142,9 +142,13 @@ class PrefixCache:
     """Chunked, verified save/load of token-prefix KV under one namespace."""
 
     def __init__(self, store: Store, namespace: Namespace, *, codec: str = "raw",
-                 pool: BufferPool | None = None, auth: RecordAuth | None = None) -> None:
+                 pool: BufferPool | None = None, auth: RecordAuth | None = None,
+                 count_tokens: bool = True) -> None:
         self.store = store
         self.auth = auth
+        #: Whether loads and saves count tokens (``kvstore_tokens_loaded_total`` and ``..._saved_``):
+        #: an engine that stores one prompt in several caches (KV cache groups) counts it in one.
+        self.count_tokens = count_tokens
         #: The key space of this cache's records: the current key's id (keyless: "").
         self.key_space = auth.key_space if auth is not None else ""
         self.namespace = namespace.with_key_space(self.key_space)
@@ -235,7 +239,8 @@ class PrefixCache:
             done += placed
         metrics.HITS.inc(result.num_chunks)
         metrics.MISSES.inc(len(keys) - result.num_chunks)
-        metrics.TOKENS_LOADED.inc(result.num_tokens)
+        if self.count_tokens:
+            metrics.TOKENS_LOADED.inc(result.num_tokens)
         metrics.LATENCY.observe(time.perf_counter() - start, op="load")
         return result
 
@@ -356,7 +361,7 @@ class PrefixCache:
             for record in made:
                 record.release()
         items = made
-        if items:
+        if items and self.count_tokens:
             metrics.TOKENS_SAVED.inc(keys[-1].end - keys[first].start)
         if rewrite is not None and items:
             self._forget(keys[first:])

@@ -9,6 +9,9 @@ connector), ``role`` (vLLM kv_role, default kv_both), ``engine`` (extra ``LLM(..
 * ``{"generate": [[token ids], ...], "max_tokens": 16, "salt": null}``: one ``generate`` call;
   its result is ``{"tokens": [[...]], "cached": [num_cached_tokens...], "seconds": s}``.
 * ``{"reset_prefix_cache": true}``: empty vLLM's local prefix cache.
+* ``{"engine_info": true}`` (in-process engines only): ``{"kv_cache_groups": [[spec type,
+  sliding window, layers], ...], "num_blocks": n, "kvstore": {metric: total}}`` with kvstore's
+  counters of tokens loaded and saved and of bypassed requests.
 * ``{"metrics": true}``: ``{"metrics": {name: value}}`` of vLLM's counters and gauges (needs
   ``"engine": {"disable_log_stats": false}``).
 * ``{"wait": "NAME"}``: print ``WAITING NAME`` and block until a line arrives on stdin.
@@ -83,6 +86,8 @@ def main(spec: dict) -> dict:
             inputs = [s.cost.inputs() for s in live_schedulers()]
             results.append({"kvstore": {"/".join(k): v for k, v in sorted(LOAD_DECISIONS._values.items())},
                             "cost_inputs": inputs})
+        elif action.get("engine_info"):
+            results.append(_engine_info(llm))
         elif "mixed" in action:
             results.append(_mixed(llm, action["mixed"], SamplingParams))
         elif "steps" in action:
@@ -93,6 +98,17 @@ def main(spec: dict) -> dict:
             print(f"WAITING {action['wait']}", flush=True)
             sys.stdin.readline()
     return {"results": results, "startup": startup, "pid": os.getpid()}
+
+
+def _engine_info(llm) -> dict:
+    from kvstore.metrics.catalog import BYPASSED, TOKENS_LOADED, TOKENS_SAVED
+
+    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    groups = [[type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None) or 0,
+               len(g.layer_names)] for g in config.kv_cache_groups]
+    return {"kv_cache_groups": groups, "num_blocks": config.num_blocks,
+            "kvstore": {"tokens_loaded": TOKENS_LOADED.total(), "tokens_saved": TOKENS_SAVED.total(),
+                        "bypassed": BYPASSED.total()}}
 
 
 def _mixed(llm, spec: dict, sampling_params) -> dict:

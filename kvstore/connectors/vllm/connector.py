@@ -89,7 +89,7 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
         if role != KVConnectorRole.SCHEDULER:
             # Records are gathered into and received into this pool (pinned, so copies overlap, on CUDA).
             configure_default_pool(self.opts.pool_bytes, pin=self.facts.device_type == "cuda")
-        self.store = shared.acquire(self.opts.store)
+        self.store = shared.acquire(self.opts.store, flush_timeout=self.opts.flush_timeout)
         self._closed = False
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

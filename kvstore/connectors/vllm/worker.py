@@ -34,6 +34,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -158,7 +159,10 @@ class WorkerSide:
             if len(shapes) != 1:
                 raise ConfigError(f"KVStoreConnector needs every layer of a KV cache group to have one shape; "
                                   f"group {group.index} has {sorted(shapes)}")
-            cache = PrefixCache(self.store, namespace, codec=self.opts.codec, auth=self.opts.record_auth())
+            # Tokens are counted once per prompt: by the first group that stores every chunk.
+            counts = group.index == next((g.index for g in self.groups if g.kind == "full"), self.groups[0].index)
+            cache = PrefixCache(self.store, namespace, codec=self.opts.codec, auth=self.opts.record_auth(),
+                                count_tokens=counts)
             # KVTransfer checks layout, dtype, block size and layer count against the namespace.
             self.transfers.append(KVTransfer(cache, layers, layout))
             self._loaders.append(KVTransfer(cache, layers, layout))
@@ -178,8 +182,25 @@ class WorkerSide:
             load.cancel.set()
         self._load_pool.shutdown(wait=True)
         if self._save_thread is not None:
-            self._save_queue.put(None)
-            self._save_thread.join(timeout=self.opts.flush_timeout)
+            end = time.monotonic() + self.opts.flush_timeout
+            try:
+                self._save_queue.put(None, timeout=self.opts.flush_timeout)
+            except queue.Full:
+                pass  # the saver is behind: what it has not taken when the time is up is dropped below
+            self._save_thread.join(timeout=max(0.0, end - time.monotonic()))
+            lost = 0
+            while True:
+                try:
+                    spec = self._save_queue.get_nowait()
+                except queue.Empty:
+                    break
+                if spec is not None:
+                    lost += 1
+                    self._save_done(spec.req_id)
+            if lost:
+                SAVE_DROPS.inc(lost, reason="shutdown")
+                log.warning("KVStoreConnector: %d saves still queued after flush_timeout=%gs were dropped",
+                            lost, self.opts.flush_timeout)
 
     # -- load --------------------------------------------------------------------------------------
     def step_begins(self, meta: KVStoreConnectorMetadata) -> None:
