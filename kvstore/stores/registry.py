@@ -43,6 +43,12 @@ BACKENDS: list[Backend] = [
     Backend("File", ("file",), "kvstore.stores.file:FileStore", "kvstore.stores.file:FileConfig",
             forms=("file:///var/cache/kvstore?max_bytes=100GiB",), url_fields=("path",),
             notes="The path must be absolute; several processes on one host may share the directory."),
+    Backend("Host shared memory", ("shm",), "kvstore.stores.shm:ShmStore", "kvstore.stores.shm:ShmConfig",
+            forms=("shm://NAME?max_bytes=8GiB",), url_fields=("name",),
+            notes="One bounded memory tier shared by every process of a host that opens the same NAME (records "
+                  "as files in /dev/shm/kvstore-NAME, renamed into place: never seen half-written; LRU across "
+                  "processes; a writer killed mid-record leaves nothing behind). Put it before Redis: "
+                  "`memory://,shm://host,redis://...`. Size /dev/shm (`--shm-size` in containers) above max_bytes."),
     Backend("Redis", ("redis", "rediss", "unix"), "kvstore.stores.redis:RedisStore",
             "kvstore.stores.redis:RedisConfig", extra="redis",
             forms=("redis://[user:password@]host[:port][/db]?ttl=1h",

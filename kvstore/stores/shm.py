@@ -1,0 +1,285 @@
+"""``shm://NAME`` — one bounded memory tier shared by every process of a host (files in /dev/shm).
+
+The engines of one host (replicas, tensor-parallel workers, the warming tool) open the same
+``NAME`` and see one cache: a record one of them saved is a memory mapping away for the others.
+Each record is a file in a tmpfs (``/dev/shm/kvstore-NAME/data``), so the directory is the index
+every process reads, with no daemon and no shared structure a crashed process could leave locked.
+
+Contract, beyond ``Store``'s:
+
+* **No torn or stale values.** A writer fills a private temporary file and renames it into
+  place; a reader opens a key's file and sees either the whole previous value or the whole new
+  one. Files are never written in place or truncated after the rename, so a mapping a reader
+  holds stays a complete value even after the key is overwritten or evicted (the memory is freed
+  when the last mapping of it goes).
+* **Reads without a copy.** ``get`` and ``get_into`` hand out values of ``map_bytes`` or more as
+  read-only views of a mapping of the record (``MAP_POPULATE``: page tables filled in one call,
+  no fault per page), which a reader verifies and scatters straight into its KV cache. Smaller
+  values are read into ``get_into``'s pool leases (one ``preadv``).
+* **Bounded, LRU across processes.** Capacity accounting and eviction are the file store's
+  (``FileStore``): a usage counter shared under ``flock``, least recently used files (by
+  modification time, which reads refresh) evicted down to ``low_water`` of ``max_bytes``.
+* **Crash-safe.** Every lock is an ``flock``, released by the kernel when its holder dies. Each
+  process writes its temporary files in a directory of its own beside a lock file it holds for
+  its lifetime (``tmp/<pid>-<id>/`` and ``tmp/<pid>-<id>.alive``); a store that opens, and every
+  eviction, removes the directories whose owner no longer holds its lock: a writer killed
+  mid-record leaves no visible partial record and, after the next eviction or start, no space.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvstore.buffers import BufferPool, Lease, borrow
+from kvstore.config import build, option, query_options
+from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.stores.base import LeaseStream, Value
+from kvstore.stores.file import FileConfig, FileStore
+
+__all__ = ["ShmConfig", "ShmStore"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$", re.ASCII)
+_ORPHAN_SECONDS = 60.0  # a writer directory without its lock file (a reaper that died) is removed after this
+
+
+@dataclass(frozen=True)
+class ShmConfig:
+    name: str = option(help="The tier's name: every process that opens the same name shares it.")
+    max_bytes: int = option(4 << 30, kind="size",
+                            help="Capacity, shared by every process; least recently used values are evicted beyond it.")
+    low_water: float = option(0.9, help="Eviction frees space down to this fraction of max_bytes.")
+    map_bytes: int = option(1 << 20, kind="size",
+                            help="Values at least this large are read as views of a memory mapping (no copy); "
+                                 "smaller ones are copied into the reader's buffers.")
+    root: str = option("/dev/shm", help="The memory-backed (tmpfs) directory the tier lives under, "
+                                        "as kvstore-NAME.")
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ConfigError(f"shm:// name {self.name!r} is not usable; accepted: 1 to 100 of A-Z a-z 0-9 . _ -, "
+                              "not starting with a dot")
+        if self.max_bytes <= 0:
+            raise ConfigError(f"max_bytes={self.max_bytes}: a shared memory tier must be bounded (more than 0)")
+        if not 0.0 < self.low_water <= 1.0:
+            raise ConfigError(f"low_water={self.low_water} must be in (0, 1]")
+        if not os.path.isabs(self.root):
+            raise ConfigError(f"root={self.root!r} must be an absolute path")
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.root, f"kvstore-{self.name}")
+
+    @classmethod
+    def from_url(cls, url: str) -> ShmConfig:
+        parts = urlsplit(url)
+        if parts.path not in ("", "/") or not parts.netloc:
+            raise ConfigError(f"shm:// URLs name the tier as their host: shm://NAME?max_bytes=8GiB, got {url!r}")
+        return build(cls, query_options(url), where="shm://", name=parts.netloc)
+
+
+class ShmStore(FileStore):
+    """Records as files in a tmpfs, shared by the processes of one host; see the module docstring."""
+
+    Config = ShmConfig  # type: ignore[assignment]
+
+    def __init__(self, config: ShmConfig) -> None:
+        self.shm = config
+        self._writer_lock = threading.Lock()
+        self._writer_pid = -1
+        self._writer_dir = Path()
+        self._writer_alive = -1
+        self._tmp_root = Path(config.path) / "tmp"
+        super().__init__(FileConfig(path=config.path, max_bytes=config.max_bytes, low_water=config.low_water))
+        try:
+            fs = os.statvfs(config.root)
+        except OSError as exc:
+            raise ConfigError(f"shm:// root {config.root!r} is not usable: {exc}") from exc
+        if config.max_bytes > fs.f_blocks * fs.f_frsize:
+            raise ConfigError(f"max_bytes={config.max_bytes} is more than the {fs.f_blocks * fs.f_frsize} bytes of "
+                              f"the file system at {config.root}; accepted: at most that")
+        self._reap()
+
+    @classmethod
+    def from_url(cls, url: str) -> ShmStore:
+        return cls(ShmConfig.from_url(url))
+
+    # -- this process's temporary files ------------------------------------------------------
+    # ``FileStore`` writes temporary files in ``self._tmp``: here, a directory of this process's
+    # own (claimed again after a fork), which others remove once its lock file is unlocked.
+    @property
+    def _tmp(self) -> Path:
+        if self._writer_pid != os.getpid():
+            self._claim_writer_dir()
+        return self._writer_dir
+
+    @_tmp.setter
+    def _tmp(self, value: Path) -> None:
+        pass  # FileStore's shared tmp directory: this store uses one per process instead
+
+    def _claim_writer_dir(self) -> None:
+        with self._writer_lock:
+            pid = os.getpid()
+            if self._writer_pid == pid:
+                return
+            self._tmp_root.mkdir(parents=True, exist_ok=True)
+            stem = f"{pid}-{os.urandom(4).hex()}"  # pid namespaces may share a /dev/shm
+            alive = os.open(self._tmp_root / f"{stem}.alive", os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(alive, fcntl.LOCK_EX)  # held until this process exits (the kernel drops it)
+            (self._tmp_root / stem).mkdir()
+            # A forked child keeps its parent's descriptor open (harmless: it only delays
+            # reaping the parent's directory until the child exits too).
+            self._writer_dir, self._writer_alive, self._writer_pid = self._tmp_root / stem, alive, pid
+
+    def _reap(self) -> int:
+        """Remove the temporary directories of writers that are gone; returns how many."""
+        removed = 0
+        try:
+            entries = list(os.scandir(self._tmp_root))
+        except FileNotFoundError:
+            return 0
+        names = {e.name for e in entries}
+        for entry in entries:
+            if entry.name.endswith(".alive"):
+                stem = entry.name[:-len(".alive")]
+                try:
+                    fd = os.open(entry.path, os.O_RDWR)
+                except FileNotFoundError:
+                    continue
+                try:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:
+                        continue  # its writer is alive
+                    shutil.rmtree(self._tmp_root / stem, ignore_errors=True)
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
+                    removed += 1
+                finally:
+                    os.close(fd)
+            elif entry.is_dir(follow_symlinks=False) and f"{entry.name}.alive" not in names:
+                try:  # its lock file is gone: a reaper died between the two removals
+                    if time.time() - entry.stat().st_mtime > _ORPHAN_SECONDS:
+                        shutil.rmtree(entry.path, ignore_errors=True)
+                        removed += 1
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    def evict(self) -> int:
+        freed = super().evict()
+        try:
+            self._reap()
+        except OSError:
+            pass  # best effort: the next eviction tries again
+        return freed
+
+    # -- reads -------------------------------------------------------------------------------
+    def _open(self, key: str) -> tuple[int, int] | None:
+        """An open descriptor of ``key``'s record and its size, or None on a miss."""
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreUnavailableError(f"shm store read {path} failed: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                os.utime(fd)  # LRU clock for eviction
+            except OSError:
+                pass
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, size
+
+    def _mapped(self, fd: int, size: int) -> memoryview:
+        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
+        return memoryview(m)  # keeps the mapping alive; unmapped when the last view goes
+
+    def _read(self, fd: int, size: int, into: memoryview) -> None:
+        got = 0
+        while got < size:
+            n = os.preadv(fd, [into[got:size]], got)
+            if n == 0:
+                raise StoreUnavailableError(f"shm store record shrank while read ({got} of {size} bytes)")
+            got += n
+
+    def get(self, key: str) -> Value | None:  # type: ignore[override]  # FileStore's is bytes only
+        opened = self._open(key)
+        if opened is None:
+            return None
+        fd, size = opened
+        try:
+            if size >= self.shm.map_bytes and size > 0:
+                return self._mapped(fd, size)
+            out = bytearray(size)
+            self._read(fd, size, memoryview(out))
+            return bytes(out)
+        except OSError as exc:
+            raise StoreUnavailableError(f"shm store read of {key!r} failed: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
+        """Each value as a borrowed view of its mapping (``map_bytes`` or more), or read into a
+        lease of ``pool`` (a borrowed copy when the pool has no room)."""
+        for key in keys:
+            yield self._lease(key, pool)
+
+    def _lease(self, key: str, pool: BufferPool) -> Lease | None:
+        opened = self._open(key)
+        if opened is None:
+            return None
+        fd, size = opened
+        try:
+            if size >= self.shm.map_bytes and size > 0:
+                return borrow(self._mapped(fd, size))
+            lease = pool.lease(size) if size else None
+            if lease is None:
+                out = bytearray(size)
+                self._read(fd, size, memoryview(out))
+                return borrow(bytes(out))
+            try:
+                self._read(fd, size, lease.view)
+            except BaseException:
+                lease.release()
+                raise
+            return lease
+        except OSError as exc:
+            raise StoreUnavailableError(f"shm store read of {key!r} failed: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    def exists(self, key: str) -> bool:
+        return os.path.exists(self._path(key))
+
+    def close(self) -> None:
+        """Give up this process's temporary directory (the records stay: other processes share them)."""
+        with self._writer_lock:
+            if self._writer_pid != os.getpid():
+                return  # a fork's copy: the directory is its parent's
+            shutil.rmtree(self._writer_dir, ignore_errors=True)
+            try:
+                os.unlink(f"{self._writer_dir}.alive")
+            except FileNotFoundError:
+                pass
+            os.close(self._writer_alive)
+            self._writer_pid = -1
+
+    def describe(self) -> dict[str, Any]:
+        return {"store": "shm", "name": self.shm.name, "path": str(self.root), "max_bytes": self.shm.max_bytes}
