@@ -110,8 +110,9 @@ def test_options_are_validated_with_named_keys():
 def test_supported_vllm_versions():
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.3.dev12+gabc")
-    for bad in ("0.31.2", "0.33.0", "1.0.0"):
-        with pytest.raises(ConfigError, match=r"supports vLLM >=0\.32,<0\.33"):
+    check_vllm_version("0.33.0")
+    for bad in ("0.31.2", "0.34.0", "1.0.0"):
+        with pytest.raises(ConfigError, match=r"supports vLLM >=0\.32,<0\.34 .*0\.32, 0\.33"):
             check_vllm_version(bad)
 
 

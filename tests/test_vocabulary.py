@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import configparser
 from pathlib import Path
 
 import pytest
@@ -46,14 +45,12 @@ def test_agent_layout_names_are_the_paged_layouts():
     assert LAYOUT_NAMES == tuple(LAYOUTS)
 
 
-def test_setup_cfg_vllm_extra_is_the_supported_range():
-    from kvstore.connectors.vllm.facts import SUPPORTED_VLLM, VLLM_MINOR
+def test_the_docs_state_the_supported_vllm_range():
+    from kvstore.connectors.vllm.facts import SUPPORTED_VLLM, VLLM_MINORS
 
-    cfg = configparser.ConfigParser()
-    cfg.read(ROOT / "setup.cfg")
-    spec = cfg["options.extras_require"]["vllm"].strip().replace(" ", "")
-    assert spec == "vllm" + ",".join(SUPPORTED_VLLM)
-    assert SUPPORTED_VLLM == (f">={VLLM_MINOR[0]}.{VLLM_MINOR[1]}", f"<{VLLM_MINOR[0]}.{VLLM_MINOR[1] + 1}")
+    assert SUPPORTED_VLLM == (f">={VLLM_MINORS[0][0]}.{VLLM_MINORS[0][1]}",
+                              f"<{VLLM_MINORS[-1][0]}.{VLLM_MINORS[-1][1] + 1}")
+    assert f"**Supported vLLM:** `{','.join(SUPPORTED_VLLM)}`" in (ROOT / "docs" / "vllm.md").read_text()
 
 
 def test_connector_location_is_derived_from_the_package():

