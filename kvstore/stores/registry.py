@@ -63,6 +63,14 @@ BACKENDS: list[Backend] = [
             forms=("redis+cluster://[user:password@]host:port[,host:port...]?ttl=1h", "rediss+cluster://... (TLS)"),
             notes="Same options as Redis; a cluster has only database 0. Startup nodes are listed in the "
                   "host part, comma-separated."),
+    Backend("Redis shards", ("redis+shards", "rediss+shards"), "kvstore.stores.redis.sharded:ShardedRedisStore",
+            "kvstore.stores.redis:RedisConfig", extra="redis",
+            forms=("redis+shards://[user:password@]host:port,host:port[,host:port...][/db]?ttl=1h",
+                   "rediss+shards://... (TLS)"),
+            notes="Independent standalone servers as one store: each key on one server by rendezvous hashing "
+                  "(any process, any order of the list; adding a server moves about 1/N of the keys), every batch "
+                  "split per server and sent to all of them at once. Same options as Redis, for every server; "
+                  "a frozen server costs a batch one deadline."),
     Backend("S3", ("s3",), "kvstore.stores.s3:S3Store", "kvstore.stores.s3:S3Config", extra="s3",
             forms=("s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000&region=us-east-1",),
             notes="Credentials never go in the URL: boto3's standard chain provides them (`AWS_ACCESS_KEY_ID` / "

@@ -1,0 +1,161 @@
+"""ShardedRedisStore (``redis+shards://``) against three real redis-servers: the conformance suite,
+placement (every shard used, stable, ~1/N moved when a server is added), batches spread over
+every shard, and a frozen shard costing a batch one deadline."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import redis
+from servers import freeze, thaw
+
+from kvstore.buffers import BufferPool
+from kvstore.errors import ConfigError, StoreTimeoutError
+from kvstore.keys import KEY_PREFIX as _K
+from kvstore.stores import open_store
+from kvstore.stores.redis import ShardedRedisStore
+from kvstore.testing.store_tests import StoreTests
+
+
+@pytest.fixture(scope="module")
+def shard_servers(redis_server_factory):
+    return [redis_server_factory() for _ in range(3)]
+
+
+def _url(servers, query=""):
+    return "redis+shards://" + ",".join(f"127.0.0.1:{s.port}" for s in servers) + query
+
+
+def _client(store, key):
+    """A raw client of the server ``key`` lives on (not through the store under test)."""
+    host, port = store.config.hosts[store.shard_of(key)]
+    return redis.Redis(host=host, port=port)
+
+
+class TestShardedRedisStore(StoreTests):
+    @pytest.fixture
+    def store(self, shard_servers):
+        for s in shard_servers:
+            s.flushall()
+        with open_store(_url(shard_servers)) as store:
+            assert isinstance(store, ShardedRedisStore)
+            yield store
+
+    def bypass_get(self, store, key):
+        with _client(store, key) as client:
+            return client.get(key)
+
+    def bypass_put(self, store, key, value):
+        with _client(store, key) as client:
+            client.set(key, value)
+
+
+class TestShardedRedisStoreWithPrefix(TestShardedRedisStore):
+    @pytest.fixture
+    def store(self, shard_servers):
+        for s in shard_servers:
+            s.flushall()
+        with open_store(_url(shard_servers, "/2?prefix=app/&ttl=1h&connections=2")) as store:
+            yield store
+
+    def bypass_get(self, store, key):
+        host, port = store.config.hosts[store.shard_of(key)]
+        with redis.Redis(host=host, port=port, db=2) as client:
+            return client.get("app/" + key)
+
+    def bypass_put(self, store, key, value):
+        host, port = store.config.hosts[store.shard_of(key)]
+        with redis.Redis(host=host, port=port, db=2) as client:
+            client.set("app/" + key, value)
+
+
+def test_url_is_checked():
+    for bad in ("redis+shards://", "redis+shards://127.0.0.1:1,127.0.0.1:1", "redis+shards://h:1?nope=2",
+                "redis+shards://h:1/x", "redis+shards://h:0,h:2", "redis+shard://h:1"):
+        with pytest.raises(ConfigError):
+            open_store(bad)
+    store = open_store("rediss+shards://u:secret@a:1,b:2/1?ttl=1m")
+    assert store.config.tls and store.config.db == 1 and store.config.hosts == (("a", 1), ("b", 2))
+    assert "secret" not in repr(store) and "rediss+shards://u:***@a:1,b:2/1" in repr(store)
+    store.close()
+
+
+def test_placement_is_stable_even_and_moves_about_one_in_n_when_a_server_is_added():
+    keys = [f"{_K}/ns/{i:032x}" for i in range(6000)]
+    three = open_store("redis+shards://a:1,b:2,c:3")
+    reordered = open_store("redis+shards://c:3,a:1,b:2")
+    four = open_store("redis+shards://a:1,b:2,c:3,d:4")
+    try:
+        def names(store):
+            return [store.config.hosts[store.shard_of(k)] for k in keys]
+
+        before, after = names(three), names(four)
+        assert names(reordered) == before  # the list's order does not matter
+        counts = {h: before.count(h) for h in set(before)}
+        assert len(counts) == 3 and min(counts.values()) > 0.28 * len(keys), counts
+        moved = sum(b != a for b, a in zip(before, after))
+        assert all(a == ("d", 4) for b, a in zip(before, after) if b != a)  # only to the new server
+        assert 0.18 < moved / len(keys) < 0.32, moved  # about 1/4
+    finally:
+        for s in (three, reordered, four):
+            s.close()
+
+
+def test_a_batch_spreads_over_every_shard(shard_servers):
+    for s in shard_servers:
+        s.flushall()
+    with open_store(_url(shard_servers)) as store:
+        items = [(f"{_K}/spread/{i}", os.urandom(256 << 10)) for i in range(24)]
+        store.put_many(items)
+        per_server = []
+        for s in shard_servers:
+            with s.client() as c:
+                per_server.append(c.dbsize())
+        assert sum(per_server) == 24 and all(n > 0 for n in per_server), per_server
+        for (key, value) in items:
+            with _client(store, key) as c:
+                assert c.get(key) == value  # each on the server its hash names
+        pool = BufferPool(64 << 20)
+        got = []
+        for lease in store.get_into([k for k, _ in items], pool):
+            got.append(bytes(lease.view))
+            lease.release()
+        assert got == [v for _, v in items]
+        assert store.longest_prefix([k for k, _ in items]) == 24
+        assert store.delete_many([k for k, _ in items[:10]] + [f"{_K}/spread/none"]) == 10
+
+
+@pytest.mark.parametrize("op", ["get_into", "get_many", "longest_prefix"])
+def test_a_frozen_shard_costs_a_batch_one_deadline(shard_servers, op):
+    servers = shard_servers
+    with open_store(_url(servers, "?timeout=300ms&connect_timeout=300ms")) as store:
+        keys = [f"{_K}/frozen/{i}" for i in range(30)]
+        store.put_many((k, os.urandom(64 << 10)) for k in keys)
+        victim = servers[1]
+        assert any(store.shard_of(k) == 1 for k in keys)
+        pid = _pid_of(victim)
+        freeze(pid)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreTimeoutError):
+                if op == "get_into":
+                    pool = BufferPool(64 << 20)
+                    for lease in store.get_into(keys, pool):
+                        lease.release()
+                elif op == "get_many":
+                    store.get_many(keys)
+                else:
+                    store.longest_prefix(keys)
+            elapsed = time.monotonic() - t0
+            assert elapsed < 1.5 * store.deadline + 0.3, elapsed  # one deadline, not one per shard or key
+        finally:
+            thaw(pid)
+        # The other shards kept serving their keys throughout, and the thawed one is back.
+        assert store.longest_prefix(keys) == len(keys)
+
+
+def _pid_of(server):
+    with server.client() as c:
+        return int(c.info("server")["process_id"])
