@@ -115,7 +115,7 @@ def test_engine_facts_keep_every_group_and_name_each_one():
 
 
 def test_recurrent_state_is_served_without_the_cache_and_other_kinds_are_refused():
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec
 
     cfg, kv = fake_vllm_config()
     full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
@@ -125,10 +125,49 @@ def test_recurrent_state_is_served_without_the_cache_and_other_kinds_are_refused
     opts = parse_options({"store": "memory://", "chunk_tokens": 64})
     f = engine_facts(cfg, kv, opts)
     assert [g.kind for g in f.kv_groups] == ["full", "state"] and not f.restorable and f.stored_groups == ()
-    mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
-    kv.kv_cache_groups = [SimpleNamespace(kv_cache_spec=mla, layer_names=LAYERS)]
-    with pytest.raises(ConfigError, match="MLAAttentionSpec"):
+    local = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
+                                      attention_chunk_size=128)
+    kv.kv_cache_groups = [SimpleNamespace(kv_cache_spec=local, layer_names=LAYERS)]
+    with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec"):
         engine_facts(cfg, kv, opts)
+
+
+def test_mla_latents_are_stored_once_for_every_tensor_parallel_rank():
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    cfg, kv = fake_vllm_config(tp=2)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    kv.kv_cache_groups = [SimpleNamespace(kv_cache_spec=mla, layer_names=LAYERS)]
+    opts = parse_options({"store": "memory://", "chunk_tokens": 64})
+    f = engine_facts(cfg, kv, opts)
+    assert [g.kind for g in f.kv_groups] == ["mla"] and f.tp_size == 2
+    (ns0, layout), (ns1, _) = (build_namespace(f, opts, rank, f.kv_groups[0]) for rank in (0, 1))
+    assert layout.name == "mla-bnl" and ns0.id == ns1.id and (ns0.tp_rank, ns0.tp_size) == (0, 1)
+    # Rank 1 saves nothing, rank 0 one copy; a reader's rank 1 loads rank 0's copy.
+    store = MemoryStore()
+    f = replace(f, block_size=16)
+    latents = [torch.randn(12, 16, 576, generator=torch.Generator().manual_seed(r)).to(torch.bfloat16)
+               for r in range(4)]
+    tokens = list(range(100, 229))  # limit 128: two chunks
+    blocks = [list(range(1, 10))]
+    from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
+
+    for rank in (1, 0):
+        worker = make_connector("worker", store, f)
+        worker.worker = type(worker.worker)(store, f, worker.opts, rank)
+        worker.register_kv_caches(dict(zip(LAYERS, latents)))
+        worker.bind_connector_metadata(KVStoreConnectorMetadata(saves=[SaveSpec("w", tokens[:128], blocks, [128])]))
+        worker.wait_for_save()
+        assert worker.worker.wait_idle(10)
+        assert len(list(store.iter_keys())) == (0 if rank == 1 else 2)
+    reader = make_connector("worker", store, f)
+    reader.worker = type(reader.worker)(store, f, reader.opts, 1)
+    dst = [torch.zeros(12, 16, 576, dtype=torch.bfloat16) for _ in range(4)]
+    reader.register_kv_caches(dict(zip(LAYERS, dst)))
+    target = [[5, 6, 7, 8, 9, 10, 11, 4]]
+    run_worker(reader, KVStoreConnectorMetadata(loads=[LoadSpec("r", tokens[:128], target, 0, 128, background=True)]))
+    for src, got in zip(latents, dst):
+        assert torch.equal(got[target[0]].reshape(-1, 576), src[blocks[0][:8]].reshape(-1, 576))
 
 
 def test_a_model_with_recurrent_state_starts_and_bypasses_every_request():

@@ -23,7 +23,7 @@ from kvstore.connectors.model import model_fingerprint
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace, check_chunk_tokens
-from kvstore.paged import BHNCLayout, CPUPackedLayout, PagedLayout, dtype_name
+from kvstore.paged import BHNCLayout, CPUPackedLayout, MLALayout, PagedLayout, dtype_name
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,9 +78,10 @@ def choose_layout(device_type: str, *, isa: str | None = None) -> PagedLayout:
     raise ConfigError(f"KVStoreConnector supports vLLM on cpu, cuda, rocm and xpu; this platform is {device_type!r}")
 
 
-#: The kinds of KV cache group the connector knows: ``full`` and ``sliding`` are stored and
-#: loaded; ``state`` (recurrent state) makes the engine recompute every prompt.
-GROUP_KINDS = ("full", "sliding", "state")
+#: The kinds of KV cache group the connector knows: ``full``, ``mla`` (a latent cache, the same
+#: on every TP rank) and ``sliding`` are stored and loaded; ``state`` (recurrent state) makes the
+#: engine recompute every prompt.
+GROUP_KINDS = ("full", "mla", "sliding", "state")
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,16 @@ class KVGroup:
     bytes_per_token: int = 0
     #: CPU attention ISA of this group's pages (CPU only).
     isa: str | None = None
+
+    @property
+    def every_chunk(self) -> bool:
+        """Whether a hit needs every chunk of this group (attention over the whole context)."""
+        return self.kind in ("full", "mla")
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every TP rank holds the same KV for this group (MLA's latent): stored once."""
+        return self.kind == "mla"
 
 
 @dataclass(frozen=True)
@@ -151,7 +162,7 @@ def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int
     check_chunk_tokens(opts.chunk_tokens, facts.block_size)
     groups = facts.kv_groups
     g = group or groups[0]
-    layout = choose_layout(facts.device_type, isa=g.isa if facts.groups else facts.isa)
+    layout = MLALayout() if g.kind == "mla" else choose_layout(facts.device_type, isa=g.isa if facts.groups else facts.isa)
     extra = [("engine", "vllm"), ("backend", facts.backend), ("kv_cache_layout", facts.kv_cache_layout)]
     if layout.granularity == "block":
         extra.append(("vllm_minor", facts.vllm_release))  # packed page formats may change between releases
@@ -160,24 +171,30 @@ def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int
         layers = hashlib.sha256("\n".join(g.layers).encode()).hexdigest()[:16]
         extra.append(("kv_group", f"{g.index}/{len(groups)}:{g.kind}:{g.window}:{layers}"))
         num_layers = len(g.layers)
+    if g.replicated:  # one copy for every TP rank
+        tp_rank, tp_size = 0, 1
+    else:
+        tp_size = facts.tp_size
     ns = Namespace(
         model=facts.model, kv_dtype=facts.kv_dtype, layout=layout.name, block_size=facts.block_size,
         chunk_tokens=opts.chunk_tokens, layer_start=0, layer_end=num_layers,
-        tp_rank=tp_rank, tp_size=facts.tp_size, model_fingerprint=facts.fingerprint, extra=tuple(extra),
+        tp_rank=tp_rank, tp_size=tp_size, model_fingerprint=facts.fingerprint, extra=tuple(extra),
     )
     return ns, layout
 
 
 def group_kind(spec: Any) -> str:
-    """``full``, ``sliding`` or ``state`` for one of vLLM's KV cache specs; ConfigError naming any
-    other kind (its layout is not one kvstore copies: MLA latents, chunked-local or sink
-    attention, encoder caches...)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    """``full``, ``mla``, ``sliding`` or ``state`` for one of vLLM's KV cache specs; ConfigError
+    naming any other kind (its layout is not one kvstore copies: sparse or sliding MLA,
+    chunked-local or sink attention, encoder caches...)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
     if isinstance(spec, MambaSpec):
         return "state"
     if type(spec) is FullAttentionSpec:
         return "full"
+    if type(spec) is MLAAttentionSpec:
+        return "mla"
     if type(spec) is SlidingWindowSpec:
         return "sliding"
     raise ConfigError(f"KVStoreConnector does not support KV cache groups of type {type(spec).__name__} "
@@ -230,7 +247,7 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
                               f"{first.index} {block_size} of {kv_dtype}")
     # The cost model sizes a load by the groups that store every chunk of a hit (full attention;
     # a sliding-window group adds at most a window's worth); a model of sliding windows only by those.
-    sized = [g for g in attention if g.kind == "full"] or attention
+    sized = [g for g in attention if g.every_chunk] or attention
     try:
         layout_name = vllm_config.cache_config.get_resolved_kv_cache_layout().name
     except Exception:  # noqa: BLE001 - unresolved outside EngineCore; the layout name is informative only

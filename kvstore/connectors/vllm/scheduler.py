@@ -132,10 +132,10 @@ class SchedulerSide:
         # One prefix cache per KV cache group and TP rank: a hit needs every rank's shard of every group.
         self.group_caches = [[PrefixCache(store, build_namespace(facts, opts, rank, group)[0], codec=opts.codec,
                                           auth=opts.record_auth())
-                              for rank in range(facts.tp_size)]
+                              for rank in range(1 if group.replicated else facts.tp_size)]
                              for group in self.groups]
         self.caches = self.group_caches[0] if self.group_caches else []  # the first group's, per rank
-        self._full = [i for i, g in enumerate(self.groups) if g.kind == "full"]
+        self._full = [i for i, g in enumerate(self.groups) if g.every_chunk]
         self._sliding = [i for i, g in enumerate(self.groups) if g.kind == "sliding"]
         self.chunk_bytes = facts.bytes_per_token * opts.chunk_tokens
         self.cost = CostModel(opts.load_policy)
@@ -208,17 +208,16 @@ class SchedulerSide:
         ends = [k.end for k in keyed[0][0][:count]]
         if not self._sliding:
             return set(ends)
-        asked = [shard[:count] for i in self._sliding for shard in keyed[i]]
+        asked = [(self.groups[i], shard[:count]) for i in self._sliding for shard in keyed[i]]
         try:
-            present = self.store.exists_many([k.key for shard in asked for k in shard])
+            present = self.store.exists_many([k.key for _, shard in asked for k in shard])
         except KVStoreError as exc:
             log.debug("lookup of sliding-window records failed: %s", exc)
             LOOKUP_FAILURES.inc(reason="error")
             return set()
         servable = set(ends)
         pos = 0
-        for n, shard in enumerate(asked):
-            group = self.groups[self._sliding[n // len(self.group_caches[0])]]
+        for group, shard in asked:
             servable &= servable_ends(ends, present[pos:pos + len(shard)], group.window, self.block_size,
                                       self.opts.chunk_tokens)
             pos += len(shard)

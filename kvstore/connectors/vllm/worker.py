@@ -160,7 +160,7 @@ class WorkerSide:
                 raise ConfigError(f"KVStoreConnector needs every layer of a KV cache group to have one shape; "
                                   f"group {group.index} has {sorted(shapes)}")
             # Tokens are counted once per prompt: by the first group that stores every chunk.
-            counts = group.index == next((g.index for g in self.groups if g.kind == "full"), self.groups[0].index)
+            counts = group.index == next((g.index for g in self.groups if g.every_chunk), self.groups[0].index)
             cache = PrefixCache(self.store, namespace, codec=self.opts.codec, auth=self.opts.record_auth(),
                                 count_tokens=counts)
             # KVTransfer checks layout, dtype, block size and layer count against the namespace.
@@ -241,7 +241,7 @@ class WorkerSide:
                 if cancel.is_set():
                     raise _Cancelled
         present = spec.end
-        order = sorted(range(len(transfers)), key=lambda i: self.groups[i].kind != "full")
+        order = sorted(range(len(transfers)), key=lambda i: not self.groups[i].every_chunk)
         try:
             for i in order:
                 group = self.groups[i]
@@ -255,7 +255,7 @@ class WorkerSide:
                 if got < spec.end:
                     # A full group holds a shorter prefix; a sliding-window group short of its
                     # window holds nothing usable (a shorter hit needs an earlier window).
-                    present = got if group.kind == "full" else spec.start
+                    present = got if group.every_chunk else spec.start
                     break
             return present
         except _Cancelled:
@@ -361,8 +361,8 @@ class WorkerSide:
             top = max(spec.ends)
             chunk = self.opts.chunk_tokens
             for i, group in enumerate(self.groups):
-                if (group.kind == "sliding") != windows:
-                    continue
+                if (group.kind == "sliding") != windows or (group.replicated and self.tp_rank != 0):
+                    continue  # a replicated group (MLA) is saved by rank 0 only, loaded by every rank
                 slots = slots_from_block_table(spec.block_ids[i], self.block_size, top)
                 namespace = self.namespaces[i].with_salt(spec.salt)
                 if group.kind != "sliding":
