@@ -282,6 +282,8 @@ GRAFANA = ROOT / "docker" / "grafana"
 _TARGET_LABELS = {"job", "instance", "service"}
 _METRIC = re.compile(r"(?<![\w:])((?:vllm:)?kvstore_[a-z0-9_]+)(\{[^}]*\})?")
 _GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+# A dashboard selector: either name (kvstore's own endpoint, or vLLM's /metrics), the chosen job.
+_EITHER = re.compile(r'\{__name__=~"\(vllm:\)\?(kvstore_[a-z0-9_]+)", job=~"\$job"((?:, [^}]*)?)\}')
 
 
 def _mounts(svc: dict) -> dict[str, str]:
@@ -361,8 +363,29 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboards(stack):
             assert all(t["datasource"]["uid"] == ds["uid"] for t in panel["targets"])
 
 
-def test_every_dashboard_query_names_registered_metrics_and_labels():
-    queries = dashboard_queries()
+def as_series(expr: str, prefix: str) -> str:
+    """``expr`` with each ``{__name__=~"(vllm:)?kvstore_X", job=~"$job", ...}`` written as the
+    series one metrics path serves: ``kvstore_X{...}`` (prefix "") or ``vllm:kvstore_X{...}``."""
+    return _EITHER.sub(lambda m: f"{prefix}{m.group(1)}" + (f"{{{m.group(2)[2:]}}}" if m.group(2) else ""), expr)
+
+
+def test_every_dashboard_query_reads_both_metric_paths():
+    """A pip-installed vLLM serves kvstore's figures as ``vllm:kvstore_*``, kvstore's own endpoint
+    (the Docker image's hook, the agent API, the CLI) as ``kvstore_*``: every selector takes
+    either, in the one job the dashboard's ``job`` variable picks (the dev stack scrapes both)."""
+    dash = json.loads((GRAFANA / "dashboards" / "kvstore.json").read_text())
+    (var,) = [v for v in dash["templating"]["list"] if v["name"] == "job"]
+    assert var["type"] == "query" and not var["multi"] and not var["includeAll"]
+    assert "(vllm:)?kvstore_info" in var["definition"]
+    for title, expr in dashboard_queries():
+        assert _EITHER.search(expr), f"panel {title!r}: {expr}"
+        rest = _EITHER.sub("", expr)
+        assert "kvstore_" not in rest, f"panel {title!r} names a metric by one path only: {expr}"
+
+
+@pytest.mark.parametrize("prefix", ["", "vllm:"])
+def test_every_dashboard_query_names_registered_metrics_and_labels(prefix):
+    queries = [(title, as_series(expr, prefix)) for title, expr in dashboard_queries()]
     assert queries
     seen: set[str] = set()
     for title, expr in queries:
@@ -370,6 +393,7 @@ def test_every_dashboard_query_names_registered_metrics_and_labels():
         assert found, f"panel {title!r} queries no kvstore metric: {expr}"
         label_sets = []
         for name, matchers in found:
+            assert name.startswith(prefix), (title, expr)
             metric, labels = resolve_metric(name)
             seen.add(metric.name)
             label_sets.append(labels)
@@ -379,11 +403,17 @@ def test_every_dashboard_query_names_registered_metrics_and_labels():
             for label in (g.strip() for g in group.split(",") if g.strip()):
                 assert all(label in labels for labels in label_sets), \
                     f"panel {title!r} groups by {label!r}, which not every metric of {expr!r} has"
-    # The panels item 3 of the dashboard promises.
+    # The panels item 3 of the dashboard promises, and a panel for every counter operations.md names.
+    from kvstore.metrics import REGISTRY, Counter, Gauge
+
+    ops_guide = (ROOT / "docs" / "operations.md").read_text()
+    counters = {m.name for m in REGISTRY.collect()
+                if isinstance(m, Counter) and not isinstance(m, Gauge) and f"`{m.name}`" in ops_guide}
     must = {"kvstore_lookup_hit_tokens_total", "kvstore_lookup_tokens_total", "kvstore_op_seconds",
             "kvstore_bytes_read_total", "kvstore_bytes_written_total", "kvstore_errors_total",
             "kvstore_corrupt_records_total", "kvstore_tier_state", "kvstore_write_queue_items",
-            "kvstore_write_drops_total", "kvstore_load_decisions_total"}
+            "kvstore_write_drops_total", "kvstore_load_decisions_total", "kvstore_lookup_failures_total",
+            "kvstore_save_drops_total"} | counters
     assert must <= seen, sorted(must - seen)
     ops = {m for _, e in queries for m in re.findall(r'kvstore_op_seconds_bucket\{op="([a-z]+)"\}', e)}
     assert {"load", "save"} <= ops
