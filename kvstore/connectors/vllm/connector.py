@@ -80,6 +80,14 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
         check_vllm_version(vllm.__version__)
         ktc = self._kv_transfer_config
         self.opts = parse_options(ktc.kv_connector_extra_config)
+        shutdown_timeout = getattr(vllm_config, "shutdown_timeout", None)  # --shutdown-timeout; absent in older vLLM
+        if role == KVConnectorRole.SCHEDULER and shutdown_timeout is not None \
+                and shutdown_timeout < self.opts.flush_timeout:
+            # Info, not a warning: offline engines (LLM) drain at interpreter exit whatever it says.
+            log.info("KVStoreConnector: vLLM's shutdown_timeout=%ss is shorter than flush_timeout=%gs: a server "
+                     "stopped with SIGTERM is killed before background writes reach the shared tiers; start "
+                     "servers with --shutdown-timeout %d", shutdown_timeout, self.opts.flush_timeout,
+                     int(self.opts.flush_timeout) + 1)
         kv_role = parse_role(ktc.kv_role or "kv_both")
         saves = kv_role.saves or (kv_role.name == "consumer" and self.opts.save_on_consumer)
         if self.opts.force_recompute_on_load_error and ktc.kv_load_failure_policy != "recompute":

@@ -108,10 +108,9 @@ class WorkerSide:
             raise ConfigError(f"load_mode='sync' needs a model with one full-attention KV cache group; this one has "
                               f"{[g.kind for g in self.groups]} (vLLM recovers a failed synchronous load by block "
                               f"id, which these groups make ambiguous): use load_mode='async'")
-        spaces = [build_namespace(facts, opts, tp_rank, g) for g in self.groups] or [build_namespace(facts, opts, tp_rank)]
+        spaces = [build_namespace(facts, opts, tp_rank, g) for g in self.groups]
         self.namespaces = [ns for ns, _ in spaces]
         self._layouts = [layout for _, layout in spaces]
-        self.namespace, self.layout = spaces[0]
         # Per stored group, one transfer for the step's own work and one per background thread (a
         # transfer holds per-thread staging).
         self.transfers: list[KVTransfer] = []
@@ -155,6 +154,8 @@ class WorkerSide:
             else:
                 raise ConfigError(f"KV cache group {group.index} names layers vLLM did not register: "
                                   f"{sorted(set(group.layers) - by_name.keys())[:4]}")
+            if group.kind == "mla":  # a latent cache with a heads axis of 1 (vLLM CPU): the same rows without it
+                layers = [c[:, 0] if c.dim() == 4 and c.shape[1] == 1 else c for c in layers]
             shapes = {tuple(c.shape) for c in layers}
             if len(shapes) != 1:
                 raise ConfigError(f"KVStoreConnector needs every layer of a KV cache group to have one shape; "
@@ -170,7 +171,7 @@ class WorkerSide:
         self.measure = WorkerMeasurements(self.store, cuda=caches[0].is_cuda)  # CUDA events time the forward
         log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, KV cache groups %s, namespace %s, "
                  "load %s, save %s", self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
-                 self.layout.name, [f"{g.kind}:{len(g.layers)}" for g in self.groups], self.namespace.id,
+                 self._layouts[0].name, [f"{g.kind}:{len(g.layers)}" for g in self.groups], self.namespaces[0].id,
                  self.opts.load_mode, self.opts.save_mode)
 
     def close(self) -> None:
