@@ -191,3 +191,60 @@ def test_raw_redis_set_get_pipelines_and_errors(redis_server_factory):
     with server.client(db=1) as c:  # what another client sees in db 1
         assert c.dbsize() == 0
     r.close()
+
+
+# -- faults a user meets first (issue 23) -------------------------------------------------------------
+def _kvstore(*argv: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+
+    from kvstore.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_cp_from_a_missing_store_is_an_error_and_creates_nothing(tmp_path):
+    missing, dest = tmp_path / "does-not-exist", tmp_path / "dest"
+    rc, out, err = _kvstore("cp", "--from", f"file://{missing}", "--to", f"file://{dest}", "--progress", "none")
+    assert rc == 2 and out == "", (out, err)
+    assert len(err.strip().splitlines()) == 1 and "no such directory" in err and "unexpected" not in err, err
+    assert not missing.exists() and not dest.exists()
+
+
+@pytest.mark.parametrize("argv", [["stats"], ["ls"], ["inspect", "kvs2/x"], ["gc", "--dry-run"],
+                                  ["rm", "--namespace", "0123456789abcdef"]])
+def test_read_only_commands_never_create_a_mistyped_file_store(tmp_path, argv):
+    typo = tmp_path / "typo" / "kv"
+    rc, _, err = _kvstore(argv[0], "--store", f"file://{typo}", *argv[1:])
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "no such directory" in err, err
+    assert not (tmp_path / "typo").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--tokens", "-5"), ("--tokens", "0"), ("--layers", "0"),
+                                         ("--tokens", "10000000")])
+def test_selftest_range_checks_its_numbers(tmp_path, flag, value):
+    rc, _, err = _kvstore("selftest", "--store", f"file://{tmp_path / 'kv'}", flag, value)
+    assert rc == 2 and f"{flag} {value} is out of range" in err and "unexpected" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_the_readme_command_table_matches_each_commands_flags():
+    """README: every command takes --store but cp (--from/--to) and dev-stack."""
+    import re
+    from pathlib import Path
+
+    from kvstore.cli import build_parser
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    flags = {name: {o for a in p._actions for o in a.option_strings} for name, p in sub.choices.items()}
+    assert "All but `cp` and `dev-stack` take `--store URL`" in readme
+    assert {n for n, f in flags.items() if "--store" not in f} == {"cp", "dev-stack"}
+    assert {"--from", "--to"} <= flags["cp"]
+    for row in re.findall(r"^\| `kvstore ([a-z-]+)[^|]*\|", readme, re.M):
+        assert row in flags, row
+    cp_row = next(line for line in readme.splitlines() if line.startswith("| `kvstore cp"))
+    assert "--from URL --to URL" in cp_row

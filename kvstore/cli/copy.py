@@ -26,7 +26,15 @@ from typing import Any
 
 from kvstore.cli import tiers as tier_io
 from kvstore.cli.clean import gc_verdict
-from kvstore.cli.tiers import Tier, batched, emit_json, human_bytes, iter_tier_keys, unavailable_as_error
+from kvstore.cli.tiers import (
+    Tier,
+    batched,
+    emit_json,
+    human_bytes,
+    iter_tier_keys,
+    require_existing,
+    unavailable_as_error,
+)
 from kvstore.config import redact_url
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.keys import FORMAT_VERSION, namespace_prefix, split_key
@@ -102,6 +110,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
     prefix = namespace_prefix(args.namespace) if args.namespace else ""
     if redact_url(args.source) == redact_url(args.dest):
         raise ConfigError("--from and --to name the same store")
+    require_existing(args.source, "--from")
     src = _open(args.source, "source")
     try:
         dst = _open(args.dest, "destination")

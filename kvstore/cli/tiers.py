@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from kvstore.cli.common import add_store_option, store_urls
 from kvstore.config import redact_url
@@ -51,12 +53,26 @@ def unavailable_as_error(tier_name: str) -> Iterator[None]:
         raise StoreUnavailableError(f"{tier_name}: {type(exc).__name__}: {exc}") from exc
 
 
+def require_existing(url: str, what: str = "store") -> None:
+    """ConfigError if ``url`` is a ``file://`` store whose directory does not exist.
+
+    Opening a file store creates its directory; a command that only reads (or removes) must not
+    leave one behind for a mistyped path, and a copy from nothing is an error, not "0 records".
+    """
+    parts = urlsplit(url)
+    if parts.scheme == "file" and not os.path.isdir(unquote(parts.path)):
+        raise ConfigError(f"{what} {redact_url(url)!r}: no such directory {unquote(parts.path)!r} "
+                          "(nothing was created)")
+
+
 @contextmanager
 def open_tiers(args: argparse.Namespace) -> Iterator[list[Tier]]:
-    """Open every ``--store`` URL separately; all of them are closed on exit."""
+    """Open every ``--store`` URL separately (each must exist: these commands create nothing); all
+    of them are closed on exit."""
     tiers: list[Tier] = []
     try:
         for i, url in enumerate(store_urls(args)):
+            require_existing(url)
             try:
                 store = open_store(url)
             except (ConfigError, StoreUnavailableError):
