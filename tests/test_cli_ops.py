@@ -248,3 +248,14 @@ def test_the_readme_command_table_matches_each_commands_flags():
         assert row in flags, row
     cp_row = next(line for line in readme.splitlines() if line.startswith("| `kvstore cp"))
     assert "--from URL --to URL" in cp_row
+
+
+def test_selftest_is_quiet_on_success_and_says_what_it_checks(tmp_path):
+    """The record it damages on purpose is rejected without a WARNING line (issue 23)."""
+    script = Path(sys.executable).parent / "kvstore"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "kvstore.cli"]
+    proc = subprocess.run([*cmd, "selftest", "--store", "memory://", "--store", f"file://{tmp_path / 'kv'}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("selftest: OK"), proc.stdout + proc.stderr
+    assert "WARNING" not in proc.stdout + proc.stderr and proc.stderr == "", proc.stderr
+    assert "a load must reject it" in proc.stdout and "record removed: True" in proc.stdout
