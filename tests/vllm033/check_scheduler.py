@@ -2,8 +2,8 @@
 
 Run by ``scripts/vllm033_check`` in the vLLM 0.33 venv (it also runs under 0.32 as a baseline):
 
-* the connector's vLLM-version check is patched in-process (it refuses vLLM != 0.32 today); the
-  refusal it would have raised is printed first;
+* the connector's own vLLM-version check must accept the running vLLM (0.32 and 0.33 are
+  supported: ``kvstore.connectors.vllm.facts.VLLM_MINORS``);
 * a real ``Scheduler`` builds the SCHEDULER-role ``KVStoreConnector`` from ``kv_transfer_config``
   (``kv_connector_module_path="kvstore.connectors.vllm.connector"``); a WORKER-role one is built
   by vLLM's ``KVConnectorFactory`` over CPU tensors shaped like the tiny Llama's paged KV;
@@ -67,24 +67,17 @@ def stage(name: str) -> Callable:
     return run
 
 
-def patch_version_check() -> None:
-    """Let the connector start on a vLLM other than 0.32 (in this process only)."""
+def version_accepted() -> None:
+    """The connector's start-up check accepts the running vLLM (a check, not a patch)."""
     import vllm
 
-    from kvstore.connectors.vllm import connector as connector_module
     from kvstore.connectors.vllm import facts
 
     try:
         facts.check_vllm_version(vllm.__version__)
-        print(f"version check: vLLM {vllm.__version__} accepted unpatched", flush=True)
+        check(f"the connector's version check accepts vLLM {vllm.__version__}", True)
     except Exception as exc:
-        print(f"version check (unpatched) refuses: {type(exc).__name__}: {exc}", flush=True)
-
-    def accept(version: str) -> None:
-        return None
-
-    facts.check_vllm_version = accept
-    connector_module.check_vllm_version = accept  # connector.py imported the name itself
+        check(f"the connector's version check accepts vLLM {vllm.__version__}", False, f"{type(exc).__name__}: {exc}")
 
 
 class Spy:
@@ -232,7 +225,7 @@ def run_flow(store_url: str, prompt_len: int, block_size: int, chunk: int) -> No
         worker, caches = make_worker(cfg, sched.kv_cache_config, num_blocks, block_size)
         state["worker"], state["caches"] = worker, caches
         check("worker connector registered the paged caches", worker.worker is not None
-              and bool(worker.worker.transfers), f"layout {worker.worker.layout.name}")
+              and bool(worker.worker.transfers), f"layout {worker.worker.transfers[0].layout.name}")
 
     worker = state.get("worker")
     caches = state.get("caches")
@@ -335,7 +328,7 @@ def main() -> int:
     from vllm.platforms import current_platform
 
     check("vLLM platform is CPU", current_platform.device_type == "cpu", type(current_platform).__name__)
-    patch_version_check()
+    version_accepted()
     tmp = tempfile.mkdtemp(prefix="kvstore-vllm033-store-")
     atexit.register(shutil.rmtree, tmp, True)
     stores = args.store or ["memory://", f"file://{tmp}"]
