@@ -110,7 +110,7 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
             self.worker = WorkerSide(self.store, self.facts, self.opts, _tp_rank())
 
     @classmethod
-    def supports_sleep_mode(cls) -> bool:
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
         """vLLM 0.33 asks: False, so vLLM refuses sleep mode with this connector rather than let the
         workers' registered KV tensors go stale after a wake-up (vLLM 0.32 never asks)."""
         return False
