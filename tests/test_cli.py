@@ -258,3 +258,16 @@ def test_commands_against_redis(redis_server, capsys):
     assert rc == 0
     with open_store(url) as s:
         assert not any(s.exists(k) for k in keys)
+
+
+def test_the_command_runs_on_a_core_install_without_redis_or_boto3(tmp_path):
+    """`make demo` installs no extra: every subcommand must register (and a file store work)
+    with redis-py and boto3 absent; a store that needs them says which extra to install."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules.update(redis=None, boto3=None, botocore=None)\n"
+            "from kvstore.cli import main\n"
+            f"sys.exit(main(['selftest', '--tokens', '300', '--layers', '2', '--store', 'file://{tmp_path / 'kv'}']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "selftest: OK" in proc.stdout, proc.stdout + proc.stderr

@@ -22,7 +22,7 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -31,8 +31,10 @@ from kvstore.cli.tiers import emit_json, human_bytes, print_table, unavailable_a
 from kvstore.config import parse_size, redact_url
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.stores import Store, open_store
-from kvstore.stores.redis.raw import RawRedis
 from kvstore.types import array_view
+
+if TYPE_CHECKING:  # the redis package of kvstore.stores.redis needs redis-py: `kvstore` runs without it
+    from kvstore.stores.redis.raw import RawRedis
 
 __all__ = ["register", "cmd_bench", "raw_redis_target"]
 
@@ -121,6 +123,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     raw: RawRedis | None = None
     try:
         if raw_args is not None:
+            from kvstore.stores.redis.raw import RawRedis
+
             with unavailable_as_error(name):
                 raw = RawRedis(raw_args["host"], raw_args["port"], password=raw_args["password"],
                                username=raw_args["username"], db=raw_args["db"])
