@@ -36,6 +36,7 @@ __all__ = [
     "WRITE_DROPS",
     "SAVE_DROPS",
     "BYPASSED",
+    "DECODE_CHUNKS",
     "PREFILL_RATE",
     "WARM_PROMPTS",
     "INFO",
@@ -90,6 +91,9 @@ BYPASSED = REGISTRY.counter("kvstore_bypassed_requests_total",
                             "Requests an engine adapter neither loads nor saves, by reason (recurrent_state: "
                             "the model keeps state kvstore cannot restore; multimodal: inputs the keys cannot "
                             "name).", ("reason",))
+DECODE_CHUNKS = REGISTRY.counter("kvstore_decode_chunks_saved_total",
+                                 "Chunks of generated tokens an engine adapter planned to save (save_decode): "
+                                 "what the next turn of a chat hits.")
 PREFILL_RATE = REGISTRY.gauge("kvstore_prefill_tokens_per_second",
                               "The engine's measured prefill speed (EWMA), what a load is compared with.")
 

@@ -52,6 +52,11 @@ class VLLMConnectorOptions:
     save_partial_chunks: bool = option(
         True, help="Also save the last, shorter chunk of a prompt (whole blocks only), so the "
         "same prompt hits to its last full block; a longer prompt reuses only full chunks.")
+    save_decode: bool = option(
+        True, help="Also save generated tokens' KV, chunk by chunk as each fills up, in the same chain as "
+        "the prompt's: the next turn of a chat, whose prompt holds this turn's answer, loads it instead of "
+        "recomputing it (a replica that did not serve the last turn too). Counted in "
+        "kvstore_decode_chunks_saved_total.")
     min_load_tokens: int = option(
         0, lo=0, hi=MAX_TOKENS, help="Report no external hit shorter than this many tokens (a tiny load is not worth "
         "a round trip).")

@@ -26,14 +26,16 @@ def external_tokens(hit_tokens: int, num_computed_tokens: int, min_load_tokens: 
 
 
 def save_ends(num_prompt_tokens: int, computed_after_step: int, saved_upto: int, *,
-              chunk_tokens: int, block_size: int, save_partial: bool) -> list[int]:
+              chunk_tokens: int, block_size: int, save_partial: bool, num_tokens: int | None = None) -> list[int]:
     """Prefix lengths to save after a step that leaves ``computed_after_step`` tokens computed.
 
     Whole chunks of the prompt as they complete; and, once the prompt's last whole block that
     a lookup may cover (``lookup_limit``) is computed, that prefix too (its final chunk is
-    partial), so the same prompt hits up to there. Only ends beyond ``saved_upto``.
+    partial), so the same prompt hits up to there. With ``num_tokens`` (prompt and generated
+    tokens known), whole chunks of generated tokens too, as their KV is computed: the next turn
+    of a chat, whose prompt holds this one's answer, hits them. Only ends beyond ``saved_upto``.
     """
-    computed = min(computed_after_step, num_prompt_tokens)
+    computed = min(computed_after_step, num_prompt_tokens if num_tokens is None else num_tokens)
     ends = []
     full = computed // chunk_tokens * chunk_tokens
     if full > saved_upto:

@@ -57,7 +57,7 @@ from kvstore.connectors.vllm.stats import measurements_from_data
 from kvstore.cost import CostModel
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, TokenIds
-from kvstore.metrics.catalog import BYPASSED, LOOKUP_FAILURES
+from kvstore.metrics.catalog import BYPASSED, DECODE_CHUNKS, LOOKUP_FAILURES
 from kvstore.prefix_cache import PrefixCache, stored_by_tier
 from kvstore.stores import Store
 from kvstore.stores.speed import LinkSpeed
@@ -335,16 +335,24 @@ class SchedulerSide:
                 or getattr(request, "mm_features", None)):
             return
         prompt = request.prompt_token_ids
+        # With save_decode, generated tokens join the chain: all_token_ids is the prompt and what
+        # was sampled so far (the last sampled token's KV is computed by the step that feeds it).
+        tokens = getattr(request, "all_token_ids", None) if self.opts.save_decode else None
+        known = len(tokens) if tokens is not None else None
         after = num_computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
         done = self._saved_upto.get(req_id, 0)
         ends = save_ends(len(prompt), after, done, chunk_tokens=self.opts.chunk_tokens,
-                         block_size=self.block_size, save_partial=self.opts.save_partial_chunks)
+                         block_size=self.block_size, save_partial=self.opts.save_partial_chunks, num_tokens=known)
         if ends:
             top = max(ends)
+            source = prompt if top <= len(prompt) or tokens is None else tokens
             used = blocks_for(top, self.block_size)
             blocks = [ids[:used] for ids in self._group_ids(self._block_ids(req_id))]
-            meta.saves.append(SaveSpec(req_id, list(prompt[:top]), blocks, ends, request.cache_salt or "",
+            meta.saves.append(SaveSpec(req_id, list(source[:top]), blocks, ends, request.cache_salt or "",
                                        start=done, window_ends=self._window_ends(ends, len(prompt), num_computed)))
+            decoded = sum(1 for e in ends if e > len(prompt))
+            if decoded:
+                DECODE_CHUNKS.inc(decoded)
             self._saved_upto[req_id] = top
             self._planned_saves.add(req_id)
 
