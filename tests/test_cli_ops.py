@@ -223,12 +223,57 @@ def test_read_only_commands_never_create_a_mistyped_file_store(tmp_path, argv):
     assert not (tmp_path / "typo").exists()
 
 
+def _kvstore_exit(*argv: str) -> tuple[int, str]:
+    """Exit status and stderr of ``kvstore ARGV``, argparse's own exits included."""
+    import contextlib
+    import io
+
+    from kvstore.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            rc = main(list(argv))
+        except SystemExit as exc:
+            rc = int(exc.code or 0)
+    return rc, err.getvalue()
+
+
 @pytest.mark.parametrize("flag, value", [("--tokens", "-5"), ("--tokens", "0"), ("--layers", "0"),
-                                         ("--tokens", "10000000")])
+                                         ("--tokens", "10000000"), ("--layers", "two")])
 def test_selftest_range_checks_its_numbers(tmp_path, flag, value):
-    rc, _, err = _kvstore("selftest", "--store", f"file://{tmp_path / 'kv'}", flag, value)
-    assert rc == 2 and f"{flag} {value} is out of range" in err and "unexpected" not in err, err
-    assert len(err.strip().splitlines()) == 1
+    rc, err = _kvstore_exit("selftest", "--store", f"file://{tmp_path / 'kv'}", flag, value)
+    assert rc == 2 and f"argument {flag}: " in err and "unexpected" not in err, err
+    assert ("out of range" in err or "not an integer" in err) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "kv").exists()
+
+
+def _numeric_flags() -> list[tuple[str, str]]:
+    from kvstore.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    return [(name, action.option_strings[-1]) for name, p in sub.choices.items() for action in p._actions
+            if action.type in (int, float) or getattr(action.type, "__qualname__", "").startswith("number.")]
+
+
+def test_every_numeric_flag_is_range_checked():
+    flags = _numeric_flags()
+    assert len(flags) >= 10
+    from kvstore.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name, flag in flags:
+        action = next(a for a in sub.choices[name]._actions if flag in a.option_strings)
+        assert getattr(action.type, "__qualname__", "").startswith("number."), f"kvstore {name} {flag}"
+
+
+@pytest.mark.parametrize("command, flag", _numeric_flags())
+def test_a_bad_number_is_one_line_and_exit_2(tmp_path, command, flag):
+    required = {"warm": ["prompts.jsonl"], "inspect": ["kvs2/x"], "cp": ["--from", "memory://", "--to", "memory://"],
+                "bench": ["--store", "memory://"]}.get(command, [])
+    rc, err = _kvstore_exit(command, *required, flag, "-99999999999")
+    assert rc == 2 and f"argument {flag}: " in err and "out of range" in err, (command, err)
+    assert len(err.strip().splitlines()) == 1 and "unexpected" not in err, err
 
 
 def test_the_readme_command_table_matches_each_commands_flags():

@@ -13,6 +13,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from kvstore.cli.common import ENV_STORE, default_store_urls
 from kvstore.errors import KVStoreError
@@ -31,10 +32,17 @@ COMMANDS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line (no usage block): bad input reads like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstore", description="A shared, tiered KV-cache store for LLM inference.")
+    parser = _Parser(prog="kvstore", description="A shared, tiered KV-cache store for LLM inference.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens (INFO level)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(name).register(sub)
     return parser

@@ -27,6 +27,7 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
+from kvstore.cli.common import number
 from kvstore.cli.tiers import emit_json, human_bytes, print_table, unavailable_as_error
 from kvstore.config import parse_size, redact_url
 from kvstore.errors import ConfigError, StoreUnavailableError
@@ -160,8 +161,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--store", action="append", metavar="URL", required=True, help="the store to measure")
     p.add_argument("--sizes", default=DEFAULT_SIZES, metavar="LIST",
                    help=f"record sizes, comma-separated (default {DEFAULT_SIZES})")
-    p.add_argument("--count", type=int, default=None, metavar="N",
+    p.add_argument("--count", type=number(int, 1, 4096), default=None, metavar="N",
                    help="records per batch (default: up to 16, at most 256 MiB per batch)")
-    p.add_argument("--reps", type=int, default=3, metavar="N", help="repetitions per figure (median; default 3)")
+    p.add_argument("--reps", type=number(int, 1, 1000), default=3, metavar="N", help="repetitions per figure (median; default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON document (for scripts)")
     p.set_defaults(func=cmd_bench)

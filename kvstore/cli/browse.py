@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from kvstore.cli import tiers as tier_io
+from kvstore.cli.common import number
 from kvstore.cli.tiers import (
     BATCH_KEYS,
     add_common_options,
@@ -194,7 +195,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_common_options(p)
     p.add_argument("--namespace", metavar="ID", help="only this namespace (as `kvstore stats` shows it)")
     p.add_argument("-l", "--long", action="store_true", help="with each record's size in bytes")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="stop after N keys")
+    p.add_argument("--limit", type=number(int, 1, 2**62), default=None, metavar="N", help="stop after N keys")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("inspect", help="show a record's header and check it")

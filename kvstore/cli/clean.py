@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvstore.cli import tiers as tier_io
+from kvstore.cli.common import number
 from kvstore.cli.tiers import (
     BATCH_KEYS,
     Tier,
@@ -190,6 +191,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--namespace", metavar="ID", help="only this namespace")
     p.add_argument("--verify", action="store_true", help="also check every payload checksum (reads each record fully)")
     p.add_argument("--dry-run", action="store_true", help="report what would be removed, remove nothing")
-    p.add_argument("--batch", type=int, default=16, metavar="N",
+    p.add_argument("--batch", type=number(int, 1, 100000), default=16, metavar="N",
                    help="records read per round trip (bounds memory: N x record size; default 16)")
     p.set_defaults(func=cmd_gc)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+from collections.abc import Callable
 
 from kvstore.config import split_urls
 
-__all__ = ["ENV_STORE", "default_store_urls", "add_store_option", "store_urls"]
+__all__ = ["ENV_STORE", "default_store_urls", "add_store_option", "store_urls", "number"]
 
 #: Default store for every command: the ``KVSTORE_STORE`` environment variable (URLs separated by
 #: spaces or commas, fastest tier first), else a file store in the user's cache directory.
@@ -33,3 +35,21 @@ def add_store_option(parser: argparse.ArgumentParser) -> None:
 def store_urls(args: argparse.Namespace) -> list[str]:
     urls: list[str] = args.store or default_store_urls()
     return urls
+
+
+def number(kind: type[int] | type[float], lo: float, hi: float) -> Callable[[str], int | float]:
+    """An argparse ``type`` for a numeric flag: ``kind`` (int or float) between ``lo`` and ``hi``.
+
+    Bad input is argparse's error (exit 2, the flag named), never an exception in a command.
+    """
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not (lo <= value <= hi) or (isinstance(value, float) and math.isnan(value)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {lo:g} to {hi:g}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvstore.cli import tiers as tier_io
 from kvstore.cli.clean import gc_verdict
+from kvstore.cli.common import number
 from kvstore.cli.tiers import (
     Tier,
     batched,
@@ -217,9 +218,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--from", dest="source", required=True, metavar="URL", help="the store to read")
     p.add_argument("--to", dest="dest", required=True, metavar="URL", help="the store to write")
     p.add_argument("--namespace", metavar="ID", help="only this namespace (default: every record)")
-    p.add_argument("--batch", type=int, default=32, metavar="N",
+    p.add_argument("--batch", type=number(int, 1, 100000), default=32, metavar="N",
                    help="records per round trip (bounds memory: N x record size; default 32)")
-    p.add_argument("--flush-timeout", type=float, default=60.0, metavar="S",
+    p.add_argument("--flush-timeout", type=number(float, 0, 86400), default=60.0, metavar="S",
                    help="seconds to wait at the end for the destination's pending writes (default 60)")
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
                    help="progress display (auto: a bar on a terminal; lines: one line per batch)")

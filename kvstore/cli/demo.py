@@ -21,15 +21,15 @@ import time
 import uuid
 from typing import Any
 
-from kvstore.cli.common import add_store_option
+from kvstore.cli.common import add_store_option, number
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="two engine replicas share a store: the second loads what the first computed")
     add_store_option(p)
     p.set_defaults(store=None)
-    p.add_argument("--tokens", type=int, default=1024, help="prompt length (default 1024)")
-    p.add_argument("--new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    p.add_argument("--tokens", type=number(int, 1, 32768), default=1024, help="prompt length (default 1024)")
+    p.add_argument("--new-tokens", type=number(int, 1, 4096), default=16, help="tokens to generate (default 16)")
     p.add_argument("--model", default="small", help="reference model size: tiny, small, bench (default small)")
     p.set_defaults(func=run)
 

@@ -12,8 +12,7 @@ import time
 
 import numpy as np
 
-from kvstore.cli.common import add_store_option, store_urls
-from kvstore.errors import ConfigError
+from kvstore.cli.common import add_store_option, number, store_urls
 from kvstore.keys import ChunkKey, Namespace
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.record import Record
@@ -28,8 +27,8 @@ MAX_LAYERS = 128
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("selftest", help="save and load a synthetic KV prefix through a store")
     add_store_option(p)
-    p.add_argument("--tokens", type=int, default=1000, help=f"prompt length, 1-{MAX_TOKENS} (default 1000)")
-    p.add_argument("--layers", type=int, default=8, help=f"layers, 1-{MAX_LAYERS} (default 8)")
+    p.add_argument("--tokens", type=number(int, 1, MAX_TOKENS), default=1000, help=f"prompt length, 1-{MAX_TOKENS} (default 1000)")
+    p.add_argument("--layers", type=number(int, 1, MAX_LAYERS), default=8, help=f"layers, 1-{MAX_LAYERS} (default 8)")
     p.add_argument("--codec", default="raw", help="raw, lz4, shuffle-lz4, zstd, shuffle-zstd")
     p.set_defaults(func=run)
 
@@ -46,9 +45,6 @@ class _DropDiscardOf(logging.Filter):
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag, value, top in (("--tokens", args.tokens, MAX_TOKENS), ("--layers", args.layers, MAX_LAYERS)):
-        if not 1 <= value <= top:
-            raise ConfigError(f"{flag} {value} is out of range: give 1 to {top}")
     heads, head_size, chunk = 8, 128, 256
     ns = Namespace(model="kvstore-selftest", kv_dtype="float16", layout="selftest", block_size=16,
                    chunk_tokens=chunk, layer_end=args.layers, model_fingerprint=str(time.time_ns()))

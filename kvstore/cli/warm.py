@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from typing import IO, Any
 
-from kvstore.cli.common import add_store_option, store_urls
+from kvstore.cli.common import add_store_option, number, store_urls
 from kvstore.errors import ConfigError
 from kvstore.warm import BadLine, Prompt, Tokenizer, WarmEngine, WarmSummary, iter_prompts, warm
 
@@ -39,13 +39,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
                    help="progress display (auto: a bar on a terminal, else none)")
-    p.add_argument("--max-failures", type=int, default=20, metavar="N",
+    p.add_argument("--max-failures", type=number(int, 1, 2**31), default=20, metavar="N",
                    help="stop after N prompts fail in a row (default 20)")
-    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    p.add_argument("--metrics-port", type=number(int, 0, 65535), default=None, metavar="PORT",
                    help="serve kvstore metrics at http://127.0.0.1:PORT/metrics while warming")
     g = p.add_argument_group("reference engine")
     g.add_argument("--preset", default="tiny", help="reference model size: tiny, small or bench (default tiny)")
-    g.add_argument("--chunk-tokens", type=int, default=None, metavar="N",
+    g.add_argument("--chunk-tokens", type=number(int, 1, 1048576), default=None, metavar="N",
                    help="tokens per stored record (default: the agent's or the vLLM connector's default, 256)")
     g.add_argument("--codec", default=None, help="record codec: raw, lz4, shuffle-lz4, zstd, shuffle-zstd")
     g = p.add_argument_group("vllm engine")
@@ -54,13 +54,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="extra kv_connector_extra_config options as a JSON object (store comes from --store)")
     g.add_argument("--engine-args", metavar="JSON", default=None,
                    help="extra vllm.LLM(...) keyword arguments as a JSON object, e.g. {\"max_model_len\": 4096}")
-    g.add_argument("--batch-size", type=int, default=16, metavar="N", help="prompts per vLLM generate() call (default 16)")
+    g.add_argument("--batch-size", type=number(int, 1, 100000), default=16, metavar="N", help="prompts per vLLM generate() call (default 16)")
     g = p.add_argument_group("server engine")
     g.add_argument("--url", help="base URL of a vLLM OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     g.add_argument("--served-model", metavar="NAME", help="model name to request (default: the first the server lists)")
     g.add_argument("--api-key", default=None, help="bearer token (default: $KVSTORE_WARM_API_KEY or $OPENAI_API_KEY)")
-    g.add_argument("--concurrency", type=int, default=4, metavar="N", help="requests in flight (default 4)")
-    g.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per request (default 600)")
+    g.add_argument("--concurrency", type=number(int, 1, 1024), default=4, metavar="N", help="requests in flight (default 4)")
+    g.add_argument("--timeout", type=number(float, 0.001, 86400), default=600.0, metavar="SECONDS", help="per request (default 600)")
     p.set_defaults(func=run)
 
 
