@@ -283,3 +283,14 @@ def test_no_window_no_hit_and_a_lost_window_fails_the_request():
     results = work.get_transfer_results(set())
     assert results.finished_recving == {"d"} and results.failed_recving == {"d"}
     assert work.get_block_ids_with_load_errors() == set()  # block ids of several groups say nothing
+
+
+def test_multimodal_prompts_bypass_and_are_counted():
+    store = MemoryStore()
+    sched, _ = connectors(store, facts())
+    before = BYPASSED.value(reason="multimodal")
+    req = SimpleNamespace(request_id="mm", prompt_token_ids=list(range(300)), cache_salt=None,
+                          mm_features=[SimpleNamespace(identifier="img-1")])
+    assert ask(sched, req, 0) == (0, False) and ask(sched, req, 0) == (0, False)
+    assert BYPASSED.value(reason="multimodal") == before + 1
+    assert not step(sched, req, ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10],), computed=0, scheduled=300, new=True).saves

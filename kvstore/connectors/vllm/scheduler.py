@@ -237,13 +237,14 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         tokens = request.prompt_token_ids
-        if self._bypass:
+        bypass = self._bypass or ("multimodal" if getattr(request, "mm_features", None) else "")
+        if bypass:  # keys cover token ids only: multimodal prompts bypass the cache
             if req_id not in self._local_hit:
-                BYPASSED.inc(reason=self._bypass)
+                BYPASSED.inc(reason=bypass)
                 self._local_hit[req_id] = num_computed_tokens  # counted once per request
             return 0, False
-        if not self.do_load or tokens is None or getattr(request, "mm_features", None) or req_id in self._failed:
-            return 0, False  # keys cover token ids only: multimodal prompts bypass the cache
+        if not self.do_load or tokens is None or req_id in self._failed:
+            return 0, False
         limit = lookup_limit(len(tokens), self.block_size)
         if limit < self.block_size:
             return 0, False
