@@ -98,9 +98,9 @@ class VLLMConnectorOptions:
         "(resident memory, pinned on CUDA). Must hold a load's records in flight plus queued saves.")
     window_interval: int = option(
         2048, lo=0, hi=MAX_TOKENS, help="Sliding-window KV cache groups (Gemma 2/3, gpt-oss...) store the window before a "
-        "prompt's last hittable end and before every multiple of this many tokens (0: the prompt's "
-        "end only), so prompts that share a long prefix hit at the last multiple before they differ; "
-        "what such a group stores per prompt is bounded by its window times the number of those ends.")
+        "prompt's last hittable end and before the first chunk end at or past every multiple of this many "
+        "tokens (0: the prompt's end only), so prompts that share a long prefix hit at the last such end "
+        "before they differ; what such a group stores per prompt is its window times the number of those ends.")
     auth_key_file: str = key_file_option()
     auth_key_env: str = key_env_option()
     auth_previous_window: float = previous_window_option()
