@@ -216,3 +216,20 @@ def test_it_is_a_local_tier_before_redis_in_a_tiered_store(shm_name, redis_serve
         tiered.put("kvs/t", b"value")  # written synchronously to the shm tier
         assert isinstance(tiered.tiers[0].store, ShmStore)
         assert bytes(tiered.tiers[0].store.get("kvs/t")) == b"value"
+
+
+def test_a_cached_mapping_is_never_stale_after_another_process_overwrites(shm_name):
+    url = f"shm://{shm_name}?max_bytes=64MiB"
+    first, second = os.urandom(2 << 20), os.urandom(2 << 20)
+    with open_store(url) as store, open_store(url + "&map_cache=0") as uncached:
+        store.put("kvs/k", first)
+        assert bytes(store.get("kvs/k")) == first  # mapped, and kept for the next read
+        assert store.get("kvs/k").obj is store.get("kvs/k").obj  # the same mapping, reused
+        with mp.get_context("spawn").Pool(1) as p:
+            p.apply(_write_one, (url, "kvs/k", second))
+        assert bytes(store.get("kvs/k")) == second
+        assert bytes(next(store.get_into(["kvs/k"], BufferPool(8 << 20))).view) == second
+        assert bytes(uncached.get("kvs/k")) == second
+        assert uncached.get("kvs/k").obj is not uncached.get("kvs/k").obj
+        store.delete("kvs/k")
+        assert store.get("kvs/k") is None and store._maps._bytes == 0

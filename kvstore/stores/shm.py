@@ -13,9 +13,11 @@ Contract, beyond ``Store``'s:
   holds stays a complete value even after the key is overwritten or evicted (the memory is freed
   when the last mapping of it goes).
 * **Reads without a copy.** ``get`` and ``get_into`` hand out values of ``map_bytes`` or more as
-  read-only views of a mapping of the record (``MAP_POPULATE``: page tables filled in one call,
-  no fault per page), which a reader verifies and scatters straight into its KV cache. Smaller
-  values are read into ``get_into``'s pool leases (one ``preadv``).
+  read-only views of a mapping of the record, which a reader verifies and scatters straight into
+  its KV cache. Each process keeps its mappings (``map_cache`` bytes of them, least recently used
+  dropped first) and reuses one while the key's file is the same inode, so a prefix loaded again
+  costs no page faults; a file replaced by another writer is a different inode, mapped afresh
+  (never a stale value). Smaller values are read into ``get_into``'s pool leases (one ``preadv``).
 * **Bounded, LRU across processes.** Capacity accounting and eviction are the file store's
   (``FileStore``): a usage counter shared under ``flock``, least recently used files (by
   modification time, which reads refresh) evicted down to ``low_water`` of ``max_bytes``.
@@ -35,6 +37,7 @@ import re
 import shutil
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +65,10 @@ class ShmConfig:
     map_bytes: int = option(1 << 20, kind="size",
                             help="Values at least this large are read as views of a memory mapping (no copy); "
                                  "smaller ones are copied into the reader's buffers.")
+    map_cache: int = option(1 << 30, kind="size",
+                            help="Mappings of large records each process keeps for its next reads (no page "
+                                 "faults when a prefix is loaded again); a mapping of a record since evicted or "
+                                 "overwritten holds its memory until dropped from here. 0: map on every read.")
     root: str = option("/dev/shm", help="The memory-backed (tmpfs) directory the tier lives under, "
                                         "as kvstore-NAME.")
 
@@ -100,6 +107,7 @@ class ShmStore(FileStore):
         self._writer_dir = Path()
         self._writer_alive = -1
         self._tmp_root = Path(config.path) / "tmp"
+        self._maps = _Mappings(config.map_cache)
         super().__init__(FileConfig(path=config.path, max_bytes=config.max_bytes, low_water=config.low_water))
         try:
             fs = os.statvfs(config.root)
@@ -187,53 +195,74 @@ class ShmStore(FileStore):
         return freed
 
     # -- reads -------------------------------------------------------------------------------
-    def _open(self, key: str) -> tuple[int, int] | None:
-        """An open descriptor of ``key``'s record and its size, or None on a miss."""
-        path = self._path(key)
+    def _open(self, path: Path) -> int | None:
         try:
-            fd = os.open(path, os.O_RDONLY)
+            return os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise StoreUnavailableError(f"shm store read {path} failed: {exc}") from exc
+
+    def _touch(self, path: Path) -> None:
         try:
-            size = os.fstat(fd).st_size
-            try:
-                os.utime(fd)  # LRU clock for eviction
-            except OSError:
-                pass
+            os.utime(path)  # LRU clock for eviction
+        except OSError:
+            pass  # evicted meanwhile: the value read is still whole
+
+    def _mapping(self, key: str, path: Path) -> memoryview | int | None:
+        """``key``'s record as a view of a mapping if it is ``map_bytes`` or larger (the cached
+        one while the file is the same), else an open descriptor; None on a miss."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._maps.drop(key)
+            return None
+        if st.st_size >= self.shm.map_bytes and st.st_size > 0:
+            view = self._maps.find(key, st.st_dev, st.st_ino)
+            if view is not None:
+                self._touch(path)
+                return view
+        fd = self._open(path)
+        if fd is None:
+            return None
+        try:
+            st = os.fstat(fd)  # the file opened, whichever was renamed into place last
+            if st.st_size < self.shm.map_bytes or st.st_size == 0:
+                self._touch(path)
+                return fd
+            # Not MAP_POPULATE: filling every page table entry up front costs more than the
+            # faults, which map 16 pages each (fault-around).
+            view = memoryview(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
         except BaseException:
             os.close(fd)
             raise
-        return fd, size
+        os.close(fd)  # the mapping keeps the file
+        self._maps.keep(key, st.st_dev, st.st_ino, view)
+        self._touch(path)
+        return view
 
-    def _mapped(self, fd: int, size: int) -> memoryview:
-        m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=mmap.PROT_READ)
-        return memoryview(m)  # keeps the mapping alive; unmapped when the last view goes
-
-    def _read(self, fd: int, size: int, into: memoryview) -> None:
-        got = 0
+    def _read(self, fd: int, into: memoryview) -> None:
+        size, got = len(into), 0
         while got < size:
-            n = os.preadv(fd, [into[got:size]], got)
+            n = os.preadv(fd, [into[got:]], got)
             if n == 0:
                 raise StoreUnavailableError(f"shm store record shrank while read ({got} of {size} bytes)")
             got += n
 
     def get(self, key: str) -> Value | None:  # type: ignore[override]  # FileStore's is bytes only
-        opened = self._open(key)
-        if opened is None:
-            return None
-        fd, size = opened
+        path = self._path(key)
         try:
-            if size >= self.shm.map_bytes and size > 0:
-                return self._mapped(fd, size)
-            out = bytearray(size)
-            self._read(fd, size, memoryview(out))
-            return bytes(out)
+            found = self._mapping(key, path)
+            if not isinstance(found, int):
+                return found
+            try:
+                out = bytearray(os.fstat(found).st_size)
+                self._read(found, memoryview(out))
+                return bytes(out)
+            finally:
+                os.close(found)
         except OSError as exc:
             raise StoreUnavailableError(f"shm store read of {key!r} failed: {exc}") from exc
-        finally:
-            os.close(fd)
 
     def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         """Each value as a borrowed view of its mapping (``map_bytes`` or more), or read into a
@@ -242,28 +271,32 @@ class ShmStore(FileStore):
             yield self._lease(key, pool)
 
     def _lease(self, key: str, pool: BufferPool) -> Lease | None:
-        opened = self._open(key)
-        if opened is None:
-            return None
-        fd, size = opened
+        path = self._path(key)
         try:
-            if size >= self.shm.map_bytes and size > 0:
-                return borrow(self._mapped(fd, size))
-            lease = pool.lease(size) if size else None
-            if lease is None:
-                out = bytearray(size)
-                self._read(fd, size, memoryview(out))
-                return borrow(bytes(out))
+            found = self._mapping(key, path)
+            if found is None or isinstance(found, memoryview):
+                return None if found is None else borrow(found)
             try:
-                self._read(fd, size, lease.view)
-            except BaseException:
-                lease.release()
-                raise
-            return lease
+                size = os.fstat(found).st_size
+                lease = pool.lease(size) if size else None
+                if lease is None:
+                    out = bytearray(size)
+                    self._read(found, memoryview(out))
+                    return borrow(bytes(out))
+                try:
+                    self._read(found, lease.view)
+                except BaseException:
+                    lease.release()
+                    raise
+                return lease
+            finally:
+                os.close(found)
         except OSError as exc:
             raise StoreUnavailableError(f"shm store read of {key!r} failed: {exc}") from exc
-        finally:
-            os.close(fd)
+
+    def delete(self, key: str) -> bool:
+        self._maps.drop(key)
+        return super().delete(key)
 
     def exists(self, key: str) -> bool:
         return os.path.exists(self._path(key))
@@ -271,6 +304,7 @@ class ShmStore(FileStore):
     def close(self) -> None:
         """Give up this process's temporary directory (the records stay: other processes share them)."""
         with self._writer_lock:
+            self._maps.clear()
             if self._writer_pid != os.getpid():
                 return  # a fork's copy: the directory is its parent's
             shutil.rmtree(self._writer_dir, ignore_errors=True)
@@ -283,3 +317,49 @@ class ShmStore(FileStore):
 
     def describe(self) -> dict[str, Any]:
         return {"store": "shm", "name": self.shm.name, "path": str(self.root), "max_bytes": self.shm.max_bytes}
+
+
+class _Mappings:
+    """This process's mappings of large records, least recently used first, bounded in bytes.
+
+    An entry is valid while the key's file is the one mapped: the same ``(st_dev, st_ino)``. A
+    mapping keeps its file's inode alive, so no other file can take that inode number meanwhile.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self._lock = threading.Lock()
+        self._maps: OrderedDict[str, tuple[int, int, memoryview]] = OrderedDict()
+        self._bytes = 0
+
+    def find(self, key: str, dev: int, ino: int) -> memoryview | None:
+        with self._lock:
+            entry = self._maps.get(key)
+            if entry is None or entry[0] != dev or entry[1] != ino:
+                return None
+            self._maps.move_to_end(key)
+            return entry[2]
+
+    def keep(self, key: str, dev: int, ino: int, view: memoryview) -> None:
+        with self._lock:
+            self._pop(key)
+            if len(view) > self._max:
+                return
+            self._maps[key] = (dev, ino, view)
+            self._bytes += len(view)
+            while self._bytes > self._max:
+                self._bytes -= len(self._maps.popitem(last=False)[1][2])
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._pop(key)
+
+    def _pop(self, key: str) -> None:
+        old = self._maps.pop(key, None)
+        if old is not None:
+            self._bytes -= len(old[2])
+
+    def clear(self) -> None:
+        with self._lock:
+            self._maps.clear()
+            self._bytes = 0
