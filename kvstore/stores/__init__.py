@@ -19,8 +19,9 @@ __all__ = ["Backend", "Buffer", "Store", "TieredConfig", "TieredStore", "Value",
 def open_store(url: str | Sequence[str]) -> Store:
     """Build a store from a URL, or a tiered store from a list of URLs (fastest tier first).
 
-    ``memory://?max_bytes=8GiB``, ``file:///var/cache/kv``, ``redis://:pw@host:6379/0?ttl=1h``,
-    ``redis+cluster://host:7000``, ``s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000``.
+    ``memory://?max_bytes=8GiB``, ``file:///var/cache/kv``, ``shm://NAME?max_bytes=8GiB`` (shared by the
+    processes of a host), ``redis://:pw@host:6379/0?ttl=1h``, ``redis+cluster://host:7000``,
+    ``redis+shards://h1:6379,h2:6379``, ``s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000``.
     Raises ``ConfigError`` (and nothing else) for a URL it cannot use.
     """
     if isinstance(url, str):
