@@ -206,6 +206,21 @@ def test_native_stack_serves_a_hit_and_its_metrics(tmp_path, monkeypatch):
         assert any("redis" in k and v > 0 for k, v in written.items()), written
         vllm_metrics = _scrape(ready["scrape"]["vllm"])
         assert _total(vllm_metrics, "vllm:prompt_tokens_total") > 0
+        # The dashboard reads either path: vLLM's /metrics carries the same figures as vllm:kvstore_*
+        # (republished from the engine's connector stats, a step behind), and every dashboard metric
+        # that counted something on kvstore's own endpoint has a series there under vLLM's name.
+        from test_compose import _METRIC, as_series, dashboard_queries
+
+        deadline = time.monotonic() + 30
+        while _total(vllm_metrics, "vllm:kvstore_tokens_loaded_total") < 256 and time.monotonic() < deadline:
+            time.sleep(0.5)
+            vllm_metrics = _scrape(ready["scrape"]["vllm"])
+        assert _total(vllm_metrics, "vllm:kvstore_tokens_loaded_total") == 256
+        on_dashboard = {n for _, e in dashboard_queries() for n, _ in _METRIC.findall(as_series(e, ""))}
+        sampled = {k.split("{")[0] for k, v in kv.items() if v > 0} & on_dashboard
+        assert {"kvstore_tokens_loaded_total", "kvstore_lookup_hit_tokens_total", "kvstore_op_seconds_bucket"} <= sampled
+        served = {k.split("{")[0] for k in vllm_metrics}
+        assert {f"vllm:{n}" for n in sampled} <= served, sorted({f"vllm:{n}" for n in sampled} - served)
         # The shared tiers hold the records: Redis with the file's password, S3 with MinIO's credentials.
         from kvstore.cli.compose import read_env_file
         from kvstore.stores import open_store
