@@ -9,7 +9,7 @@ The public surface, by layer (``docs/architecture.md`` draws them):
 * the prefix cache: ``PrefixCache`` (engine-agnostic, verified save/load of token prefixes);
 * paged caches: ``KVTransfer`` and ``get_layout`` (import torch; loaded on first use);
 * engine adapters: ``KVStoreAgent`` and ``AgentConfig`` (the agent API), and the vLLM connector
-  at ``connectors.vllm_v1`` (imports vLLM);
+  at ``kvstore.vllm`` (imports vLLM; importing it registers the name);
 * the error family: ``KVStoreError``, ``ConfigError``, ``CorruptRecordError``,
   ``StoreUnavailableError`` (``StoreTimeoutError``: a deadline expired).
 """

@@ -175,7 +175,7 @@ def render() -> str:
         "## vLLM connector",
         "",
         "`kv_transfer_config = {\"kv_connector\": \"KVStoreConnector\", \"kv_connector_module_path\":",
-        "\"connectors.vllm_v1\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {...}}`; the options below",
+        "\"kvstore.vllm\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {...}}`; the options below",
         "go in `kv_connector_extra_config` (JSON values, or strings such as `\"8GiB\"`).",
         "",
         *vllm_options_table(),

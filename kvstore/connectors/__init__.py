@@ -7,7 +7,8 @@
   a scheduler side and a worker side.
 * ``roles``: producer / consumer / both, shared by both adapters.
 
-Engines load the vLLM connector by module path through the top-level ``connectors`` package
-(``kv_connector_module_path="connectors.vllm_v1"``). Importing this package pulls in neither
+Engines find the vLLM connector by name (the ``vllm.general_plugins`` entry point, or
+``import kvstore.vllm`` in a process that builds its own ``VllmConfig``) or by module path
+(``kv_connector_module_path="kvstore.vllm"``). Importing this package pulls in neither
 torch nor vLLM.
 """

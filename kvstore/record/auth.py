@@ -24,7 +24,7 @@ Keys:
   there is re-signed into the current space by their next save (``PrefixCache``). A keyless
   reader and keyed writers do not share records either: each keeps to its own space.
 
-``blake3`` is an optional dependency (``pip install 'kvstore[auth]'``): kvstore imports without
+``blake3`` is an optional dependency (``pip install 'kvstore-llm[auth]'``): kvstore imports without
 it, and configuring a key without it is a ``ConfigError`` naming the extra.
 """
 
@@ -65,7 +65,7 @@ def _blake3() -> Any:
         import blake3
     except ImportError as exc:
         raise ConfigError("record authentication (auth_key_file / auth_key_env) needs the blake3 package: "
-                          "pip install 'kvstore[auth]'") from exc
+                          "pip install 'kvstore-llm[auth]'") from exc
     return blake3
 
 

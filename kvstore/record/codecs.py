@@ -74,7 +74,7 @@ def _zstd() -> ModuleType:
     try:
         import zstandard
     except ImportError as exc:
-        raise ConfigError("codec zstd needs the zstandard package: pip install 'kvstore[zstd]'") from exc
+        raise ConfigError("codec zstd needs the zstandard package: pip install 'kvstore-llm[zstd]'") from exc
     return zstandard
 
 

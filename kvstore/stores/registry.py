@@ -28,7 +28,7 @@ class Backend:
     target: str
     #: Its options dataclass (``"module:Class"``), for the configuration reference.
     config: str = ""
-    #: The ``pip install 'kvstore[extra]'`` that brings its client library ("" if none is needed).
+    #: The ``pip install 'kvstore-llm[extra]'`` that brings its client library ("" if none is needed).
     extra: str = ""
     #: URL forms, for the configuration reference.
     forms: tuple[str, ...] = ()
@@ -105,7 +105,7 @@ def backend_class(scheme: str) -> type[Store]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = f"; install it with: pip install 'kvstore[{backend.extra}]'" if backend.extra else ""
+        hint = f"; install it with: pip install 'kvstore-llm[{backend.extra}]'" if backend.extra else ""
         raise ConfigError(f"the {scheme}:// store needs a package that is not installed ({exc}){hint}") from exc
     cls: type[Store] = getattr(module, class_name)
     return cls

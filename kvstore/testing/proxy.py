@@ -91,7 +91,11 @@ class ShapedProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            server = socket.create_connection(("127.0.0.1", self.target_port))
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:  # the server is gone (a test stopped it): the client sees a dead link
+                client.close()
+                continue
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._upstream.append(_Pipe(client, server, self.delay, self.rate))

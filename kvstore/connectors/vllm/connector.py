@@ -3,7 +3,7 @@
 Load it with::
 
     kv_transfer_config={"kv_connector": "KVStoreConnector",
-                        "kv_connector_module_path": "connectors.vllm_v1",
+                        "kv_connector_module_path": "kvstore.vllm",  # optional: found by name
                         "kv_role": "kv_both",
                         "kv_connector_extra_config": {"store": ["memory://?max_bytes=2GiB",
                                                                 "redis://127.0.0.1:6379/0"]}}
