@@ -208,7 +208,9 @@ def test_unknown_parameter_lists_the_accepted_ones():
     assert "'colour'" in message
     for name in ("ttl", "prefix", "max_connections", "timeout", "db"):
         assert name in message
-    assert "password" not in message.split("accepted:")[1]  # internal fields are not options
+    accepted = message.split("accepted:")[1].replace(",", " ").split()
+    assert "password" not in accepted and "username" not in accepted  # internal fields are not options
+    assert "password_env" in accepted and "password_file" in accepted  # the ways to give a secret
 
 
 def test_url_forms():

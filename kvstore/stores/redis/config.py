@@ -7,6 +7,13 @@ URL forms::
     unix://[user:password@]/path/to/redis.sock?db=0
     redis+cluster://[user:password@]host:port[,host:port...]?...
 
+Secrets: the password may instead come from an environment variable (``?password_env=NAME``) or
+a file (``?password_file=/run/secrets/redis``), read when the URL is parsed, i.e. when the store
+opens, so it appears neither in the URL nor on a command line (``ps``). No variable is read
+unless a URL names it: an engine's environment often holds a ``REDIS_PASSWORD`` meant for
+something else. A missing variable or an unreadable, empty file is a ``ConfigError`` naming the
+option and the variable or path, never the secret.
+
 Deadlines: reads, lookups and deletes (the engine's critical path) wait at most
 ``connect_timeout + timeout`` per call (``deadline``); background writes use ``write_timeout``
 on their own connections. A failed command is retried at once only after a connection error
@@ -15,7 +22,10 @@ on their own connections. A failed command is retried at once only after a conne
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -34,6 +44,8 @@ MAX_SPREAD = 64  # connections one batch spreads over: more only adds threads
 _PORT = re.compile(r"^[0-9]{1,5}$", re.ASCII)  # int() alone takes "-1", " 7", "1_0" and other scripts' digits
 _DB = re.compile(r"^[0-9]{1,10}$", re.ASCII)
 _HOST = re.compile(r"^[A-Za-z0-9._-]+$", re.ASCII)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$", re.ASCII)
+MAX_SECRET = 4096  # bytes of a password file: more is not a password (a wrong path, say)
 _IPV6 = re.compile(r"^[0-9A-Fa-f:.]+(%[A-Za-z0-9._-]+)?$", re.ASCII)
 
 
@@ -47,6 +59,10 @@ class RedisConfig:
     db: int = option(0, help="Database number (standalone only).")
     username: str = option("", internal=True)
     password: str = option("", secret=True, internal=True)
+    password_env: str = option("", help="Environment variable holding the password, read when the store opens "
+                                        "(e.g. password_env=REDIS_PASSWORD): not in the URL, not in `ps`.")
+    password_file: str = option("", help="File holding the password (one trailing newline dropped), read when the "
+                                         "store opens, e.g. a mounted secret; keep it readable by the engine only.")
     tls: bool = option(False, internal=True, help="rediss:// URLs.")
     cluster: bool = option(False, internal=True)
     ca_certs: str = option("", help="CA bundle to verify the server's certificate (rediss://).")
@@ -86,6 +102,11 @@ class RedisConfig:
             check_range("port", port, 1, 65535)
         if self.cluster and self.db != 0:
             raise ConfigError(f"db={self.db}: a Redis Cluster has only database 0")
+        if self.password_env and not _ENV_NAME.match(self.password_env):
+            raise ConfigError(f"password_env={self.password_env!r} is not an environment variable name; accepted: "
+                              "letters, digits and _, not starting with a digit")
+        if self.password_env and self.password_file:
+            raise ConfigError("give the password by password_env or by password_file, not both")
 
     @classmethod
     def from_url(cls, url: str) -> RedisConfig:
@@ -114,7 +135,45 @@ class RedisConfig:
                 options["db"] = path
             if not fixed["cluster"] and len(fixed["hosts"]) > 1:
                 raise ConfigError(f"{where!r} names several hosts; use redis+cluster:// for a cluster")
-        return build(cls, options, where=f"{scheme}://", **fixed)
+        config = build(cls, options, where=f"{scheme}://", **fixed)
+        if not (config.password_env or config.password_file):
+            return config
+        if config.password:
+            raise ConfigError(f"{where!r} gives a password in the URL and by "
+                              f"{'password_env' if config.password_env else 'password_file'}; give one")
+        return dataclasses.replace(config, password=config.read_password())
+
+    def read_password(self) -> str:
+        """The password that ``password_env`` or ``password_file`` names (``password`` itself
+        when neither does). ``ConfigError`` names the option and the variable or file, never
+        the value."""
+        if self.password_env:
+            what = f"password_env={self.password_env}"
+            value = os.environ.get(self.password_env)
+            if value is None:
+                raise ConfigError(f"{what}: no such environment variable in this process (set it in the "
+                                  "environment the engine starts with)")
+        elif self.password_file:
+            what = f"password_file={self.password_file}"
+            try:
+                with open(self.password_file, "rb") as f:
+                    data = f.read(MAX_SECRET + 1)
+            except OSError as exc:
+                raise ConfigError(f"{what}: cannot read it: {exc.strerror or type(exc).__name__}") from None
+            if len(data) > MAX_SECRET:
+                raise ConfigError(f"{what}: larger than {MAX_SECRET} bytes; not a password file")
+            try:
+                value = data.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{what}: not UTF-8 text") from None
+            value = value[:-2] if value.endswith("\r\n") else value.removesuffix("\n")
+        else:
+            return self.password
+        if not value:
+            raise ConfigError(f"{what}: the password is empty")
+        if any(unicodedata.category(ch) == "Cc" for ch in value):  # the value itself is never shown
+            raise ConfigError(f"{what}: the password holds a control character; accepted: printable characters")
+        return value
 
     def safe_url(self) -> str:
         """The store's address for logs: no password."""
