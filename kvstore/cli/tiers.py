@@ -16,10 +16,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from kvstore.cli.common import add_store_option, store_urls
-from kvstore.config import redact_url
+from kvstore.config import redact_url, split_url
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.stores import Store, open_store
 
@@ -59,7 +59,7 @@ def require_existing(url: str, what: str = "store") -> None:
     Opening a file store creates its directory; a command that only reads (or removes) must not
     leave one behind for a mistyped path, and a copy from nothing is an error, not "0 records".
     """
-    parts = urlsplit(url)
+    parts = split_url(url)  # a ConfigError for what urlsplit cannot parse ("redis://[::1")
     if parts.scheme == "file" and not os.path.isdir(unquote(parts.path)):
         raise ConfigError(f"{what} {redact_url(url)!r}: no such directory {unquote(parts.path)!r} "
                           "(nothing was created)")
