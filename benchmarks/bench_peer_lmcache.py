@@ -30,7 +30,15 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
   LMCache resp://    the same with its C++ RESP client (8 threads)
   raw zero-copy      the physical ceiling: one connection, pipelined SETs sent straight from the
                      encoded records, pipelined GETs received (recv_into) into preallocated,
-                     touched buffers; no validation, no copy (kvstore/stores/redis/raw.py)
+                     touched buffers, 64 MiB of them requested ahead as kvstore's reads do
+                     (``common.raw_get_window``); no validation, no copy (kvstore/stores/redis/raw.py).
+                     Asked for all 16 x 32 MiB at once, the server spent 1.16-1.36 CPU s per GB
+                     building the replies instead of 0.82 (measured side by side in one run,
+                     benchmarks/results/tiers.md): the ceiling ran at 0.66 GB/s and kvstore read
+                     as 1.5x it. Each round the same client also reads the records from a
+                     process of its own (``StandaloneRaw``): the ceiling's check
+  raw, 4 connections the same client over kvstore's 4 connections, a thread and every 4th record
+                     each (``RawPathSpread``): the ceiling of a client with four connections
   kvstore cache      PrefixCache.save (lookup to skip stored chunks, xxh3 over the payload, the
                      header sent beside the payload, no copy; one batch over the store's
                      connections) / PrefixCache.load (records received into pooled buffers, each
@@ -64,6 +72,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
@@ -76,7 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import machine, memory_limits
+from common import machine, memory_limits, raw_get_window
 
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import Namespace
@@ -91,6 +100,7 @@ SHAPES = {  # name: (layers, kv heads, head size, tokens per chunk)
     "3MiB": (24, 2, 64, 256),
 }
 LOOKUP_REPS = 15  # lookups per path per round
+WINDOW_BYTES = 64 << 20  # GETs the raw client requests ahead: kvstore's own budget (redis/base.py)
 
 
 class Data:
@@ -307,13 +317,83 @@ class RawPath:
         self.client = RawRedis(port=port)
         self.items = [(k.encode(), memoryview(v)) for k, v in kv.items]
         self.buffers = [memoryview(np.ones(len(v), dtype=np.uint8)) for _, v in kv.items]  # touched
+        self.window = max(1, WINDOW_BYTES // max(len(v) for _, v in kv.items))
 
     def put(self) -> None:
         self.client.set_many(self.items)
 
     def get(self) -> None:
-        sizes = self.client.get_many_into([k for k, _ in self.items], self.buffers)
-        assert all(s is not None for s in sizes)
+        raw_get_window(self.client, [k for k, _ in self.items], self.buffers, self.window)  # raises on a miss
+
+
+class RawPathSpread(RawPath):
+    """The raw client over as many connections as kvstore's RedisStore uses (``connections``,
+    4), each with a thread of its own and every n-th record: with one connection the server
+    writes at most 64 KiB to it per pass of its event loop (redis 7.0 without ``maxmemory``), so
+    one connection is no ceiling for a client with four."""
+
+    def __init__(self, port: int, kv: KVStorePath, n: int) -> None:
+        super().__init__(port, kv)
+        self.client.close()
+        self.clients = [RawRedis(port=port) for _ in range(n)]
+        self.window = max(1, WINDOW_BYTES // (n * max(len(v) for _, v in kv.items)))
+        self.pool = ThreadPoolExecutor(n)
+
+    def _each(self, fn) -> None:
+        n = len(self.clients)
+        for fut in [self.pool.submit(fn, c, r, n) for r, c in enumerate(self.clients)]:
+            fut.result()
+
+    def put(self) -> None:
+        self._each(lambda c, r, n: c.set_many(self.items[r::n]))
+
+    def get(self) -> None:
+        self._each(lambda c, r, n: raw_get_window(c, [k for k, _ in self.items[r::n]], self.buffers[r::n],
+                                                  self.window))
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.pool.shutdown()
+
+
+class StandaloneRaw:
+    """The raw client of ``RawPath`` in a process of its own (no LMCache, none of this script's
+    buffers), reading the records ``RawPath`` put: the check that the in-process ceiling runs at
+    the speed of a raw client alone. Each ``get`` returns the seconds the child measured."""
+
+    _CHILD = """
+import sys, time
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from common import raw_get_window
+from kvstore.stores.redis.raw import RawRedis
+port, window, keys, sizes = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), sys.argv[5].split(",")
+client = RawRedis(port=port)
+buffers = [memoryview(np.ones(int(n), dtype=np.uint8)) for n in sizes]
+for _ in sys.stdin:
+    t = time.perf_counter()
+    raw_get_window(client, keys, buffers, window)
+    print(time.perf_counter() - t, flush=True)
+"""
+
+    def __init__(self, port: int, raw: RawPath) -> None:
+        keys = ",".join(k.decode() for k, _ in raw.items)
+        sizes = ",".join(str(len(v)) for _, v in raw.items)
+        self.proc = subprocess.Popen([sys.executable, "-c", self._CHILD, str(Path(__file__).resolve().parent),
+                                      str(port), str(raw.window), keys, sizes],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def get(self) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("get\n")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(30)
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -322,6 +402,7 @@ def stats(values: list[float]) -> tuple[float, float, float]:
 
 
 RAW = "raw zero-copy client"
+RAW4 = "raw zero-copy client, 4 connections"
 KV_CACHE = "kvstore PrefixCache save/load"
 KV_STORE = "kvstore RedisStore put_many/get_many"
 LM_RESP, LM_REDIS = "LMCache resp://", "LMCache redis://"
@@ -336,8 +417,11 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
     lm = {scheme: LMCachePath(scheme, server.port, data) for scheme in ("redis", "resp")} if peer else {}
     kv = KVStorePath(server.url, data)
     ceiling = RawPath(server.port, kv)
+    standalone = StandaloneRaw(server.port, ceiling)
+    alone_t: list[float] = []
     # name: (put, get, lookups {label: fn})
-    paths = {RAW: (ceiling.put, ceiling.get, {})}
+    spread = RawPathSpread(server.port, kv, kv.store.config.connections)
+    paths = {RAW: (ceiling.put, ceiling.get, {}), RAW4: (spread.put, spread.get, {})}
     if peer:
         paths[LM_REDIS] = (lm["redis"].store, lm["redis"].get, {"LMCache redis:// lookup": lm["redis"].lookup})
         paths[LM_RESP] = (lm["resp"].store, lm["resp"].get, {"LMCache resp:// lookup": lm["resp"].lookup})
@@ -365,6 +449,10 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
             t = time.perf_counter()
             get()
             t_get = time.perf_counter() - t
+            if pname == RAW:
+                t_alone = standalone.get()  # the same records, right after
+                if rep:
+                    alone_t.append(t_alone)
             if rep:
                 put_t[pname].append(t_put)
                 get_t[pname].append(t_get)
@@ -373,7 +461,12 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
         loads.append(os.getloadavg()[0])
         print(f"  round {rep}{' (warm-up)' if not rep else ''} done, load average {loads[-1]:.2f}", flush=True)
     raw.flushall()
-    res = {"paths": {}, "lookups": {}, "loads": loads, "nbytes": data.nbytes, "record_bytes": kv.record_bytes}
+    res = {"paths": {}, "lookups": {}, "loads": loads, "nbytes": data.nbytes, "record_bytes": kv.record_bytes,
+           "standalone": stats([data.nbytes / t / 1e9 for t in alone_t])}
+    standalone.close()
+    a = res["standalone"]
+    print(f"  {'raw zero-copy client, own process':<38} retrieve {a[0]:5.2f} [{a[1]:.2f}-{a[2]:.2f}] GB/s",
+          flush=True)
     for pname in paths:
         # GB/s of KV moved (10^9 B/s); kvstore's records carry ~1 KiB of header more per chunk.
         res["paths"][pname] = (stats([data.nbytes / t / 1e9 for t in put_t[pname]]),
@@ -387,6 +480,7 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
         print(f"  {label:<38} {m[0]:.3f} [{m[1]:.3f}-{m[2]:.3f}] ms", flush=True)
     res["noise"] = noise_contrast(data, lm, kv, raw)
     ceiling.client.close()
+    spread.close()
     # LMCache engines are left open: LMCacheEngineBuilder.destroy() hangs in 0.5.6 (RemoteBackend.close
     # waits forever on its connection's close()); the process ends with os._exit instead.
     kv.store.close()
@@ -478,10 +572,15 @@ def render(results: dict, reps: int, peer: bool = True, limits: str = "") -> str
                 "| path | store | retrieve |", "|---|---|---|"]
         for pname, (p, g) in res["paths"].items():
             out.append(f"| {pname} | {p[0]:.2f} [{p[1]:.2f}-{p[2]:.2f}] | {g[0]:.2f} [{g[1]:.2f}-{g[2]:.2f}] |")
+        if "standalone" in res:
+            a, g = res["standalone"], res["paths"][RAW][1]
+            out += ["", f"The raw client in a process of its own (no LMCache, no benchmark buffers), reading the same "
+                        f"records right after the row above: retrieve {a[0]:.2f} [{a[1]:.2f}-{a[2]:.2f}]; "
+                        f"in-process / own process = {g[0] / a[0]:.2f}."]
         out += ["", "Ratios of medians (above 1: the first path is faster):", "",
                 "| path | vs | store | retrieve |", "|---|---|---|---|"]
         for kpath in (KV_CACHE, KV_STORE):
-            for other in (RAW, LM_REDIS, LM_RESP):
+            for other in (RAW, RAW4, LM_REDIS, LM_RESP):
                 if other not in res["paths"]:
                     continue
                 kp, kg = res["paths"][kpath]
@@ -509,6 +608,9 @@ def summary_lines(results: dict) -> list[str]:
         kp, kg = res["paths"][KV_CACHE]
         rp, rg = res["paths"][RAW]
         line = f"{name}: ratio_to_raw store={kp[0] / rp[0]:.2f} load={kg[0] / rg[0]:.2f}"
+        if RAW4 in res["paths"]:
+            sp, sg = res["paths"][RAW4]
+            line += f" ratio_to_raw_4conn store={kp[0] / sp[0]:.2f} load={kg[0] / sg[0]:.2f}"
         if LM_RESP in res["paths"]:
             lp, lg = res["paths"][LM_RESP]
             line += f" ratio_to_lmcache_resp store={kp[0] / lp[0]:.2f} load={kg[0] / lg[0]:.2f}"

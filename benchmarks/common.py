@@ -69,3 +69,25 @@ def memory_limits(nbytes: int = 128 << 20, reps: int = 5) -> str:
     cached = gbps(len(hot) * 64, timeit(lambda: [xxhash.xxh3_64_digest(hot) for _ in range(64)], reps=reps))
     return (f"copy {copy[0]:.1f} GB/s, xxh3 from memory {cold[0]:.1f} GB/s, "
             f"xxh3 in cache {cached[0]:.1f} GB/s (medians of {reps}, {nbytes >> 20} MiB)")
+
+
+def raw_get_window(client, keys, buffers, window: int) -> None:
+    """Pipelined GETs of ``keys`` into ``buffers`` with the raw zero-copy client (``RawRedis``),
+    keeping ``window`` of them requested ahead of the one being received.
+
+    Sent all at once, the server builds every reply before it sends the first byte (it reads all
+    of a connection's commands in one pass), so the client waits through all of that copying
+    with nothing to receive; with a window the server builds reply i+1 while reply i is on the
+    wire. kvstore's own reads keep about 64 MiB requested ahead (``kvstore/stores/redis/waves.py``):
+    a ceiling should get the same chance."""
+    from kvstore.stores.redis.raw import _key_bytes, _view
+
+    for key in keys[:window]:
+        client._queue(b"GET", _key_bytes(key))
+    client._flush()
+    for i, buffer in enumerate(buffers):
+        if i + window < len(keys):
+            client._queue(b"GET", _key_bytes(keys[i + window]))
+            client._flush()
+        if client._read_bulk_into(_view(buffer)) is None:
+            raise KeyError(keys[i])
