@@ -328,9 +328,9 @@ class RawPath:
 
 class RawPathSpread(RawPath):
     """The raw client over as many connections as kvstore's RedisStore uses (``connections``,
-    4), each with a thread of its own and every n-th record: with one connection the server
-    writes at most 64 KiB to it per pass of its event loop (redis 7.0 without ``maxmemory``), so
-    one connection is no ceiling for a client with four."""
+    4), each with a thread of its own and every n-th record: redis 7.0 without ``maxmemory``
+    stops writing to a connection once a pass of its event loop has sent it more than 64 KiB
+    (``NET_MAX_WRITES_PER_EVENT``), so one connection is no ceiling for a client with four."""
 
     def __init__(self, port: int, kv: KVStorePath, n: int) -> None:
         super().__init__(port, kv)
