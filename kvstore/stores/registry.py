@@ -54,8 +54,9 @@ BACKENDS: list[Backend] = [
             forms=("redis://[user:password@]host[:port][/db]?ttl=1h",
                    "rediss://[user:password@]host[:port][/db]?ca_certs=/path/ca.pem (TLS)",
                    "unix://[user:password@]/path/to/redis.sock?db=0"),
-            notes="The password is part of the URL (percent-encode special characters); `redact_url` hides it "
-                  "in logs. `db` may also be given as the URL path (`/0`). Values are written with `SET ... PX ttl` "
+            notes="The password is part of the URL (percent-encode special characters), or read when the store "
+                  "opens from `password_file=PATH` or `password_env=NAME`, so it never shows in a command line; "
+                  "`redact_url` hides it in logs. `db` may also be given as the URL path (`/0`). Values are written with `SET ... PX ttl` "
                   "when `ttl` is set; run Redis with `maxmemory` and `maxmemory-policy allkeys-lru`. "
                   "Valkey servers are served the same way."),
     Backend("Redis Cluster", ("redis+cluster", "rediss+cluster"), "kvstore.stores.redis:RedisClusterStore",
