@@ -159,3 +159,32 @@ def test_a_frozen_shard_costs_a_batch_one_deadline(shard_servers, op):
 def _pid_of(server):
     with server.client() as c:
         return int(c.info("server")["process_id"])
+
+
+def test_shards_below_a_shm_tier_in_a_tiered_store(shard_servers):
+    import shutil
+    import uuid
+
+    for s in shard_servers:
+        s.flushall()
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    try:
+        with open_store([f"shm://{name}?max_bytes=64MiB", _url(shard_servers)]) as tiered:
+            shm, shards = (t.store for t in tiered.tiers)
+            assert [t.name for t in tiered.tiers] == ["shm", "redis+shards"]
+            items = [(f"{_K}/tiered/{i}", os.urandom((1 << 20) + i)) for i in range(9)]
+            tiered.put_many(items)
+            assert tiered.flush(10)  # the shards tier is written in the background
+            keys = [k for k, _ in items]
+            assert [bytes(v) for v in shards.get_many(keys)] == [v for _, v in items]
+            assert len({shards.shard_of(k) for k in keys}) == 3
+            shm.delete_many(keys)  # now only the shards hold them
+            pool = BufferPool(64 << 20)
+            got = []
+            for lease in tiered.get_into(keys, pool):
+                got.append(bytes(lease.view))
+                lease.release()
+            assert got == [v for _, v in items]
+            assert tiered.flush(10) and all(shm.exists_many(keys))  # hits promoted into the host tier
+    finally:
+        shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True)
