@@ -113,3 +113,24 @@ def test_mla_latents_load_with_identical_tokens(tmp_path_factory):
     stored = lookup_limit(len(prompts[0]), block)
     assert reader["kvstore"]["tokens_loaded"] == stored
     assert sum(_records_by_namespace(url).values()) == -(-stored // CHUNK)
+
+
+def test_tensor_parallel_hybrid_stores_every_group_of_every_rank(tmp_path_factory):
+    """Gemma 2 at TP=2: each rank stores its shard of each group (4 namespaces) and a TP=2 reader
+    loads every group of every rank, with the TP=2 writer's tokens (TP changes bf16 rounding, so
+    compare within one TP size). Deadlines are relaxed: this test is about the shards."""
+    family = "gemma2"
+    model = str(vllm_families.write_family_model(family, tmp_path_factory.mktemp(family + "-tp")))
+    prompt = _prompt(family, 45, 300)
+    url = f"file://{tmp_path_factory.mktemp(family + '-tp-kv')}"
+    connector = {"store": [url], "chunk_tokens": CHUNK, "load_policy": "always", "lookup_timeout": "30s"}
+    tp2 = {"tensor_parallel_size": 2, "enable_prefix_caching": False, "max_model_len": 1024}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    write = run_engine({"model": model, "connector": connector, "engine": tp2, "actions": [gen([prompt])]},
+                       multiprocess=True, env=env, timeout=300)
+    assert len(_records_by_namespace(url)) == 4  # 2 groups x 2 ranks
+    read = run_engine({"model": model, "connector": connector, "engine": tp2, "actions": [gen([prompt])]},
+                      multiprocess=True, env=env, timeout=300)
+    assert write["results"][0]["cached"][0] == 0
+    assert read["results"][0]["cached"][0] == lookup_limit(len(prompt), vllm_model.BLOCK_SIZE)
+    assert read["results"][0]["tokens"] == write["results"][0]["tokens"]
