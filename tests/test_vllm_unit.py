@@ -633,3 +633,19 @@ def test_a_lookup_past_its_deadline_or_failing_is_a_counted_miss():
     finally:
         release.set()
         sched.close()
+
+
+def test_the_prefill_timer_stops_at_the_first_of_transfer_results_and_wait_for_save():
+    """vLLM 0.33's Model Runner V2 asks get_transfer_results right after the forward and calls
+    wait_for_save after its drafter: the forward's time is counted once, without the drafter."""
+    from kvstore.connectors.vllm.measure import PREFILL_SAMPLE_TOKENS
+
+    worker = make_connector("worker", MemoryStore(), facts())
+    worker.register_kv_caches(paged("cpu"))
+    ticks = iter(range(100))
+    worker.worker.measure._mark = lambda: float(next(ticks))  # one tick per reading of the clock
+    worker.bind_connector_metadata(KVStoreConnectorMetadata(prefill_tokens=PREFILL_SAMPLE_TOKENS))  # tick 0
+    worker.get_transfer_results(set())  # tick 1: the forward ended
+    worker.wait_for_save()  # after the drafter: no further reading
+    seen = worker.worker.measure.take()
+    assert (seen.prefill_tokens, seen.prefill_seconds) == (PREFILL_SAMPLE_TOKENS, 1.0)

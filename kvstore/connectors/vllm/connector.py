@@ -203,9 +203,13 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """``get_finished``'s answer plus the loads that failed on an engine whose failures are
         reported per request (several KV cache groups, or sliding windows)."""
-        sending, recving = self._work().finished(finished_req_ids)
+        worker = self._work()
+        # vLLM 0.33's Model Runner V2 asks this right after the forward and calls wait_for_save
+        # only after its drafter: the prefill timer stops at whichever comes first.
+        worker.measure.forward_ended()
+        sending, recving = worker.finished(finished_req_ids)
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=self._work().failed_loads())
+                                          failed_recving=worker.failed_loads())
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, KVStoreConnectorMetadata):
