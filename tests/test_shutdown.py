@@ -102,11 +102,12 @@ _EXITING_WRITER = textwrap.dedent("""
 
 
 def test_a_process_that_exits_right_after_its_writes_drains_them_for_its_flush_timeout(s3_server):
-    """8 MiB queued for S3 behind a 1 MB/s link (~8 s, longer than the old fixed 5 s exit drain):
-    the process exits at once, and every record reaches S3."""
+    """8 MiB queued for S3 behind one 1 MB/s connection (~8 s, longer than the old fixed 5 s exit
+    drain): the process exits at once, and every record reaches S3. One worker, because the proxy
+    shapes each connection: 16 in parallel would carry the 8 MiB in about 1 s."""
     proxy = ShapedProxy(s3_server.port, rate=1e6)
     try:
-        url = _slow_url(s3_server, proxy, "exiting")
+        url = _slow_url(s3_server, proxy, "exiting", max_workers="1")
         env = dict(os.environ, **s3_server.env, PYTHONPATH=str(ROOT))
         start = time.monotonic()
         out = subprocess.run([sys.executable, "-c", _EXITING_WRITER, "memory://", url], env=env, cwd=str(ROOT),

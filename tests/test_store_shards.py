@@ -172,7 +172,13 @@ def test_shards_below_a_shm_tier_in_a_tiered_store(shard_servers):
         with open_store([f"shm://{name}?max_bytes=64MiB", _url(shard_servers)]) as tiered:
             shm, shards = (t.store for t in tiered.tiers)
             assert [t.name for t in tiered.tiers] == ["shm", "redis+shards"]
-            items = [(f"{_K}/tiered/{i}", os.urandom((1 << 20) + i)) for i in range(9)]
+            # Three keys per shard: which shard a key lands on depends on the servers' ports.
+            by_shard: dict[int, list[str]] = {0: [], 1: [], 2: []}
+            for key in (f"{_K}/tiered/{i}" for i in range(1000)):
+                if len(by_shard[shards.shard_of(key)]) < 3:
+                    by_shard[shards.shard_of(key)].append(key)
+            items = [(k, os.urandom((1 << 20) + i)) for i, k in enumerate(sum(by_shard.values(), []))]
+            assert len(items) == 9
             tiered.put_many(items)
             assert tiered.flush(10)  # the shards tier is written in the background
             keys = [k for k, _ in items]
