@@ -17,6 +17,18 @@ different keys never share a key, and deployments with different keys on one sto
 overwrite each other. Keyless namespaces (``key_space=""``) hash exactly as before the field
 existed: their keys are unchanged.
 
+**Non-text inputs.** A prompt with images (audio, video) carries placeholder tokens that the
+engine replaces by the input's embeddings, so equal token ids no longer mean equal KV. Such a
+prompt is keyed with its ``InputSpan``s (the input's identity, e.g. vLLM's multimodal hash, and
+the placeholder range it fills): every chunk that overlaps a span hashes that span too, as
+vLLM's own block hashes do::
+
+    h_i = sha256(h_{i-1} || b"M" || kind || uint32-le length || msgpack spans || tokens of chunk i)
+
+Chunks that overlap no span hash exactly as above, so a text prefix before the first image
+(a system prompt) is shared with text-only prompts, and a chunk after an image differs from the
+text-only chunk through the chain.
+
 Key grammar: ``kvs<format version>/<namespace id: 16 hex>/<prefix digest: 32 hex>``
 (``split_key``, ``namespace_prefix``); tools group and remove records by its first two parts.
 """
@@ -37,8 +49,8 @@ from kvstore._version import FORMAT_VERSION
 from kvstore.errors import ConfigError
 from kvstore.types import array_view
 
-__all__ = ["FORMAT_VERSION", "KEY_STEM", "KEY_PREFIX", "Namespace", "ChunkKey", "chunk_keys", "prefix_keys", "tokens_to_array",
-           "check_chunk_tokens", "split_key", "namespace_prefix", "TokenIds"]
+__all__ = ["FORMAT_VERSION", "KEY_STEM", "KEY_PREFIX", "Namespace", "ChunkKey", "InputSpan", "chunk_keys", "prefix_keys",
+           "tokens_to_array", "check_chunk_tokens", "split_key", "namespace_prefix", "TokenIds"]
 
 #: Every kvstore key, of any format version, starts with this (tools list all records by it).
 KEY_STEM = "kvs"
@@ -164,6 +176,46 @@ class ChunkKey:
         return self.end - self.start
 
 
+@dataclass(frozen=True, order=True)
+class InputSpan:
+    """A non-text input that fills the placeholder tokens ``[offset, offset + length)``.
+
+    ``identity`` names the input's content and everything that changes its embeddings (vLLM's
+    ``MultiModalFeatureSpec.identifier``: a hash of the item and its processor options, with a
+    LoRA prefix where one applies); equal identities at equal offsets must mean equal KV.
+    """
+
+    offset: int
+    length: int
+    identity: str
+    modality: str = ""
+
+    def __post_init__(self) -> None:
+        if type(self.offset) is not int or self.offset < 0 or type(self.length) is not int or self.length <= 0:
+            raise ValueError(f"input span [{self.offset!r}, +{self.length!r}) must have offset >= 0 and length > 0")
+        if not isinstance(self.identity, str) or not self.identity:
+            raise ValueError(f"input span at {self.offset} has no identity: it cannot be keyed")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+def _spans_key(spans: Sequence[InputSpan], start: int, end: int) -> bytes:
+    """The canonical bytes of the spans that overlap tokens ``[start, end)`` (b"" for none)."""
+    inside = [[s.offset, s.length, s.identity, s.modality] for s in spans if s.offset < end and s.end > start]
+    if not inside:
+        return b""
+    packed: bytes = msgpack.packb(inside, use_bin_type=True)
+    return len(packed).to_bytes(4, "little") + packed
+
+
+def _check_spans(spans: Sequence[InputSpan]) -> Sequence[InputSpan]:
+    if not all(isinstance(s, InputSpan) for s in spans):
+        raise TypeError("spans must be InputSpan objects")
+    return sorted(spans)
+
+
 def tokens_to_array(tokens: TokenIds) -> np.ndarray:
     """Token ids as a contiguous little-endian uint32 array (the bytes that are hashed and stored).
 
@@ -181,13 +233,15 @@ def tokens_to_array(tokens: TokenIds) -> np.ndarray:
     return arr
 
 
-def chunk_keys(namespace: Namespace, tokens: TokenIds, *,
-               include_partial: bool = True, max_chunks: int | None = None) -> list[ChunkKey]:
+def chunk_keys(namespace: Namespace, tokens: TokenIds, *, include_partial: bool = True,
+               max_chunks: int | None = None, spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
     """Keys of every chunk of ``tokens`` under ``namespace``, in order.
 
     The last chunk is included when shorter than ``chunk_tokens`` only if ``include_partial``.
-    ``max_chunks`` stops early (lookups that only need a bounded prefix).
+    ``max_chunks`` stops early (lookups that only need a bounded prefix). ``spans``: the
+    prompt's non-text inputs (see the module docstring); spans past ``tokens`` change nothing.
     """
+    spans = _check_spans(spans)
     arr = tokens_to_array(tokens)
     n = int(arr.shape[0])
     step = namespace.chunk_tokens
@@ -202,7 +256,7 @@ def chunk_keys(namespace: Namespace, tokens: TokenIds, *,
         partial = end - start < step
         if partial and not include_partial:
             break
-        h = _link(h, data, start, end, partial)
+        h = _link(h, data, start, end, partial, _spans_key(spans, start, end))
         digest = h[:_DIGEST_BYTES]
         out.append(ChunkKey(index, start, end, digest, partial, prefix + digest.hex()))
     return out
@@ -213,19 +267,25 @@ def _chain_seed(namespace: Namespace) -> bytes:
     return hashlib.sha256(b"kvstore-prefix-v1" + namespace.digest).digest()
 
 
-def _link(h: bytes, data: memoryview, start: int, end: int, partial: bool) -> bytes:
+def _link(h: bytes, data: memoryview, start: int, end: int, partial: bool, spans: bytes = b"") -> bytes:
     """The chain's value after the chunk ``tokens[start:end]`` (``data``: the tokens' bytes,
-    4 per token) follows the chain value ``h``; a partial chunk is a leaf, never extended."""
+    4 per token) follows the chain value ``h``; a partial chunk is a leaf, never extended.
+    ``spans``: ``_spans_key`` of the chunk (length-prefixed, after a tag no plain chunk starts with)."""
     hasher = hashlib.sha256(h)
+    if spans:
+        hasher.update(b"M")
     hasher.update(b"P" if partial else b"F")
+    hasher.update(spans)
     hasher.update(data[start * 4:end * 4])
     return hasher.digest()
 
 
-def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int]) -> list[ChunkKey]:
+def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int], *,
+                spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
     """The keys of every chunk of every prefix ``tokens[:e]`` for ``e`` in ``ends``, each once,
     ordered by end (a partial chunk before the whole chunk it begins): what ``chunk_keys`` gives
     for each prefix, hashing the chain once. Ends beyond ``tokens`` are cut to its length."""
+    spans = _check_spans(spans)
     arr = tokens_to_array(tokens)
     n = int(arr.shape[0])
     wanted = sorted({min(int(e), n) for e in ends if e > 0})
@@ -242,11 +302,11 @@ def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int]) -> 
         # Partial chunks of the ends inside this chunk branch off the chain; only a whole chunk
         # extends it.
         for end in (e for e in wanted if start < e < full_end):
-            digest = _link(h, data, start, end, True)[:_DIGEST_BYTES]
+            digest = _link(h, data, start, end, True, _spans_key(spans, start, end))[:_DIGEST_BYTES]
             out.append(ChunkKey(index, start, end, digest, True, prefix + digest.hex()))
         if full_end > top:
             break
-        h = _link(h, data, start, full_end, False)
+        h = _link(h, data, start, full_end, False, _spans_key(spans, start, full_end))
         digest = h[:_DIGEST_BYTES]
         out.append(ChunkKey(index, start, full_end, digest, False, prefix + digest.hex()))
     return out

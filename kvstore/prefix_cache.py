@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 
 from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
 from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
-from kvstore.keys import ChunkKey, Namespace, TokenIds, chunk_keys, prefix_keys, tokens_to_array
+from kvstore.keys import ChunkKey, InputSpan, Namespace, TokenIds, chunk_keys, prefix_keys, tokens_to_array
 from kvstore.metrics import catalog as metrics
 from kvstore.record import DTYPES, Record, RecordHeader, decode_record, encode_record_pieces
 from kvstore.record.auth import RecordAuth, TagKeys
@@ -167,17 +167,19 @@ class PrefixCache:
     def chunk_tokens(self) -> int:
         return self.namespace.chunk_tokens
 
-    def keys(self, tokens: TokenIds, *, namespace: Namespace | None = None,
-             include_partial: bool = True, max_tokens: int | None = None) -> list[ChunkKey]:
+    def keys(self, tokens: TokenIds, *, namespace: Namespace | None = None, include_partial: bool = True,
+             max_tokens: int | None = None, spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
         """Chunk keys of ``tokens`` (optionally only chunks ending at or before ``max_tokens``), in
-        this cache's key space; during a rotation window each carries its previous-space keys."""
+        this cache's key space; during a rotation window each carries its previous-space keys.
+        ``spans``: the prompt's non-text inputs (``kvstore.keys``)."""
         ns = self.in_space(namespace or self.namespace)
-        keys = chunk_keys(ns, tokens, include_partial=include_partial)
+        keys = chunk_keys(ns, tokens, include_partial=include_partial, spans=spans)
         if max_tokens is not None:
             keys = [k for k in keys if k.end <= max_tokens]
         older = self.auth.previous_key_spaces() if self.auth is not None else []
         if older and keys:
-            spaces = [chunk_keys(ns.with_key_space(space), tokens, include_partial=include_partial)[:len(keys)]
+            spaces = [chunk_keys(ns.with_key_space(space), tokens, include_partial=include_partial,
+                                 spans=spans)[:len(keys)]
                       for space in older]
             keys = [replace(k, previous=tuple(space[i] for space in spaces)) for i, k in enumerate(keys)]
         return keys
@@ -304,6 +306,7 @@ class PrefixCache:
         from_token: int | None = None,
         skip_stored: bool = True,
         namespace: Namespace | None = None,
+        spans: Sequence[InputSpan] = (),
     ) -> int:
         """Encode and store the chunks of ``keys``; returns how many were written.
 
@@ -313,12 +316,13 @@ class PrefixCache:
         ``skip_stored``, one pre-check finds the stored leading chunks and skips those; with
         neither, every chunk is written. A chunk whose record a load of this cache rejected is
         written in any case, and so is every chunk after it (module docstring: "Healing").
-        ``payload`` is called only for chunks written.
+        ``payload`` is called only for chunks written. ``spans``: the non-text inputs ``keys``
+        were made with (needed only when they were hashed in another key space).
         """
         ns = self.in_space(namespace or self.namespace)
         if not keys:
             return 0
-        keys = self._keys_in_space(ns, tokens, keys)
+        keys = self._keys_in_space(ns, tokens, keys, spans)
         start = time.perf_counter()
         if from_token is not None:
             first = next((i for i, k in enumerate(keys) if k.end > from_token), len(keys))
@@ -379,13 +383,14 @@ class PrefixCache:
             log.debug("save pre-check failed: %s", exc)
             return 0
 
-    def _keys_in_space(self, ns: Namespace, tokens: TokenIds, keys: Sequence[ChunkKey]) -> Sequence[ChunkKey]:
-        """``keys`` (the chunks of ``tokens`` a caller hashed under another key space, e.g. with
-        ``prefix_keys`` and the namespace it was built with) as the same chunks in ``ns``."""
+    def _keys_in_space(self, ns: Namespace, tokens: TokenIds, keys: Sequence[ChunkKey],
+                       spans: Sequence[InputSpan]) -> Sequence[ChunkKey]:
+        """``keys`` (the chunks of ``tokens`` and ``spans`` a caller hashed under another key
+        space, e.g. with ``prefix_keys`` and the namespace it was built with) as the same chunks in ``ns``."""
         if keys[0].key.startswith(ns.key_prefix):
             return keys
         wanted = {(k.start, k.end) for k in keys}
-        return [k for k in prefix_keys(ns, tokens, [k.end for k in keys]) if (k.start, k.end) in wanted]
+        return [k for k in prefix_keys(ns, tokens, [k.end for k in keys], spans=spans) if (k.start, k.end) in wanted]
 
     def _remember(self, chunks: Sequence[ChunkKey], *, heal: bool) -> None:
         with self._rewrite_lock:

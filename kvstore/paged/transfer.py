@@ -25,7 +25,7 @@ import torch
 
 from kvstore.buffers import BufferPool, Lease
 from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey, Namespace, TokenIds, prefix_keys, tokens_to_array
+from kvstore.keys import ChunkKey, InputSpan, Namespace, TokenIds, prefix_keys, tokens_to_array
 from kvstore.paged.kernels import host_bytes, host_copy, host_layers
 from kvstore.paged.layouts import PagedLayout, get_layout
 from kvstore.paged.tensors import dtype_name, tensor_bytes
@@ -96,12 +96,13 @@ class KVTransfer:
         return num_tokens
 
     def keys(self, tokens: TokenIds, max_tokens: int | None = None,
-             namespace: Namespace | None = None) -> list[ChunkKey]:
+             namespace: Namespace | None = None, *, spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
         """Chunk keys of the storable part of ``tokens`` (up to ``max_tokens``), under
-        ``namespace`` (default: the cache's; e.g. ``namespace.with_salt(...)`` per tenant)."""
+        ``namespace`` (default: the cache's; e.g. ``namespace.with_salt(...)`` per tenant), with
+        the prompt's non-text inputs ``spans`` (``kvstore.keys.InputSpan``)."""
         arr = tokens_to_array(tokens)
         n = self.usable_tokens(arr.shape[0])
-        return self.cache.keys(arr[:n], max_tokens=max_tokens, namespace=namespace)
+        return self.cache.keys(arr[:n], max_tokens=max_tokens, namespace=namespace, spans=spans)
 
     def _shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
         return [self.layout.chunk_shape(self.kv_caches[0], num_tokens)] * len(self.kv_caches)
@@ -126,15 +127,15 @@ class KVTransfer:
             self._dev_buf = buf = torch.empty(math.prod(shape), dtype=self.dtype, device=self.device)
         return buf[:math.prod(shape)].view(shape)
 
-    def lookup(self, tokens: TokenIds, max_tokens: int | None = None) -> int:
+    def lookup(self, tokens: TokenIds, max_tokens: int | None = None, *, spans: Sequence[InputSpan] = ()) -> int:
         """Tokens of the longest stored prefix (one lookup round trip; nothing is loaded)."""
-        return self.cache.lookup_tokens(self.keys(tokens, max_tokens))
+        return self.cache.lookup_tokens(self.keys(tokens, max_tokens, spans=spans))
 
     # -- save ------------------------------------------------------------------------------
     def save_sequence(self, tokens: TokenIds, slots: torch.Tensor,
                       hidden_states: torch.Tensor | None = None, start_token: int = 0,
                       namespace: Namespace | None = None, *, ends: Sequence[int] | None = None,
-                      from_token: int | None = None) -> int:
+                      from_token: int | None = None, spans: Sequence[InputSpan] = ()) -> int:
         """Store the chunks of ``tokens`` whose KV sits at ``slots`` (one slot per token).
 
         ``hidden_states[i]`` (optional) is the hidden state of token ``start_token + i``; each
@@ -143,18 +144,18 @@ class KVTransfer:
         ``from_token`` says how far the prefix is known to be stored: chunks ending after it are
         written, no lookup is made (``PrefixCache.save``); without it, chunks already stored are
         found by one pre-check and not rebuilt or rewritten. ``namespace`` overrides the cache's
-        (same layout, e.g. another cache salt). Returns the number of chunks written (handed to
-        the store).
+        (same layout, e.g. another cache salt); ``spans`` are the prompt's non-text inputs.
+        Returns the number of chunks written (handed to the store).
         """
         arr = tokens_to_array(tokens)
         if slots.numel() < arr.shape[0]:
             raise ValueError(f"{arr.shape[0]} tokens need as many slots, got {slots.numel()}")
         if ends is None:
-            keys = self.keys(arr, namespace=namespace)
+            keys = self.keys(arr, namespace=namespace, spans=spans)
         else:
             n = arr.shape[0]
-            keys = prefix_keys(namespace or self.cache.namespace, arr,
-                               [self.usable_tokens(min(int(e), n)) for e in ends])
+            keys = prefix_keys(self.cache.in_space(namespace or self.cache.namespace), arr,
+                               [self.usable_tokens(min(int(e), n)) for e in ends], spans=spans)
         if not keys:
             return 0
         slots = slots.to(self.device, torch.int64)
@@ -177,7 +178,7 @@ class KVTransfer:
                                 hidden_dtype=hidden_dtype, hidden_shape=hidden_shape, owner=lease)
 
         return self.cache.save(arr[:max(k.end for k in keys)], keys, payload, from_token=from_token,
-                               namespace=namespace)
+                               namespace=namespace, spans=spans)
 
     def _gather(self, slots: torch.Tensor, host: torch.Tensor) -> None:
         """Copy the KV of ``slots`` in every layer into ``host`` (``_staging_shape(len(slots))``).
@@ -202,7 +203,7 @@ class KVTransfer:
     # -- load ------------------------------------------------------------------------------
     def load_sequence(self, tokens: TokenIds, slots: torch.Tensor,
                       max_tokens: int | None = None, *, skip_tokens: int = 0,
-                      namespace: Namespace | None = None,
+                      namespace: Namespace | None = None, spans: Sequence[InputSpan] = (),
                       before_place: Callable[[ChunkKey, Record], None] | None = None,
                       hidden_dtype: torch.dtype | str | None = None,
                       hidden_shape: Sequence[int] | None = None) -> tuple[int, torch.Tensor | None]:
@@ -213,7 +214,7 @@ class KVTransfer:
         (an engine's local prefix hit, possibly shared blocks): chunks ending there are not
         fetched and those slots are never written (``slots`` may hold anything for them); on
         a block-granular layout it must be a whole number of blocks. ``namespace`` overrides
-        the cache's. ``before_place(chunk, record)`` runs for each verified chunk before its KV
+        the cache's; ``spans`` are the prompt's non-text inputs. ``before_place(chunk, record)`` runs for each verified chunk before its KV
         is written; an exception from it stops the load there and propagates (a caller's
         cancellation). ``hidden_dtype``/``hidden_shape`` are what the caller's model consumes: a
         record carrying another hidden state is a miss there, never a tensor the model cannot
@@ -225,7 +226,7 @@ class KVTransfer:
         if skip_tokens < 0 or (self.layout.granularity == "block" and skip_tokens % self.block_size):
             raise ValueError(f"skip_tokens={skip_tokens} must be a non-negative multiple of "
                              f"block_size={self.block_size} for {self.layout.name}")
-        keys = [k for k in self.keys(arr, max_tokens, namespace=namespace) if k.end > skip_tokens]
+        keys = [k for k in self.keys(arr, max_tokens, namespace=namespace, spans=spans) if k.end > skip_tokens]
         if not keys:
             return min(skip_tokens, arr.shape[0]), None
         slots = slots.to(self.device, torch.int64)

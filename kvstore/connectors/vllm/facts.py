@@ -11,6 +11,9 @@ table. kvstore stores and loads full-attention and sliding-window groups, each u
 namespace; a group of recurrent state (Mamba, gated delta net: ``kind="state"``) cannot be
 restored from per-token KV, so an engine with one recomputes every prompt (``restorable``);
 any other kind of group is refused at start-up, naming it.
+
+``input_spans`` reads a request's multimodal inputs (images, audio) as the ``InputSpan``s its
+chunk keys include.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore.connectors.model import model_fingerprint
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.errors import ConfigError
-from kvstore.keys import Namespace, check_chunk_tokens
+from kvstore.keys import InputSpan, Namespace, check_chunk_tokens
 from kvstore.paged import BHNCLayout, CPUPackedLayout, MLALayout, PagedLayout, dtype_name
 
 if TYPE_CHECKING:
@@ -267,3 +270,19 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         groups=tuple(groups),
         vllm_release="{}.{}".format(*vllm_minor(vllm.__version__)),
     )
+
+
+def input_spans(request: Any) -> tuple[InputSpan, ...] | None:
+    """The multimodal inputs of a vLLM request as key spans (``()`` for a text prompt), or
+    ``None`` when one cannot be identified (no identifier or placeholder range): such a request
+    bypasses the cache. Each span is what vLLM's own block hashes take from a
+    ``MultiModalFeatureSpec``: its ``identifier`` and its ``mm_position``."""
+    spans = []
+    for feature in getattr(request, "mm_features", None) or ():
+        try:
+            position: Any = feature.mm_position
+            spans.append(InputSpan(int(position.offset), int(position.length), feature.identifier,
+                                   str(getattr(feature, "modality", "") or "")))
+        except (AttributeError, TypeError, ValueError):
+            return None
+    return tuple(sorted(spans))

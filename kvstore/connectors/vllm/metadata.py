@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvstore.keys import InputSpan
+
 __all__ = ["LoadSpec", "SaveSpec", "KVStoreConnectorMetadata"]
 
 
@@ -24,6 +26,8 @@ class LoadSpec:
     #: Loaded in the background (the request waits in WAITING_FOR_REMOTE_KVS) rather than before
     #: this step's forward.
     background: bool = False
+    #: The prompt's multimodal inputs, part of its chunk keys (``kvstore.keys.InputSpan``).
+    spans: tuple[InputSpan, ...] = ()
 
 
 @dataclass
@@ -41,6 +45,7 @@ class SaveSpec:
     salt: str = ""
     start: int = 0
     window_ends: list[int] = field(default_factory=list)
+    spans: tuple[InputSpan, ...] = ()
 
 
 @dataclass

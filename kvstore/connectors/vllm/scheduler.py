@@ -40,7 +40,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvstore.connectors.vllm.facts import EngineFacts, build_namespace
+from kvstore.connectors.vllm.facts import EngineFacts, build_namespace, input_spans
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.connectors.vllm.plan import (
@@ -56,7 +56,7 @@ from kvstore.connectors.vllm.plan import (
 from kvstore.connectors.vllm.stats import measurements_from_data
 from kvstore.cost import CostModel
 from kvstore.errors import KVStoreError
-from kvstore.keys import ChunkKey, TokenIds
+from kvstore.keys import ChunkKey, InputSpan, TokenIds
 from kvstore.metrics.catalog import BYPASSED, DECODE_CHUNKS, LOOKUP_FAILURES
 from kvstore.prefix_cache import PrefixCache, stored_by_tier
 from kvstore.stores import Store
@@ -161,16 +161,16 @@ class SchedulerSide:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def chunk_keys(self, tokens: TokenIds, salt: str = "") -> list[ChunkKey]:
-        """Keys of every chunk a hit on ``tokens`` needs from the groups that store every chunk
-        (full attention; a model of sliding windows only: the window before the prompt's end),
-        for every TP rank."""
+    def chunk_keys(self, tokens: TokenIds, salt: str = "", spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
+        """Keys of every chunk a hit on ``tokens`` (with the multimodal inputs ``spans``) needs
+        from the groups that store every chunk (full attention; a model of sliding windows only:
+        the window before the prompt's end), for every TP rank."""
         arr = list(tokens)
         limit = lookup_limit(len(arr), self.block_size)
         out: list[ChunkKey] = []
         for i in self._full or self._sliding:
             for cache in self.group_caches[i]:
-                keys = cache.keys(arr[:limit], namespace=cache.namespace.with_salt(salt))
+                keys = cache.keys(arr[:limit], namespace=cache.namespace.with_salt(salt), spans=spans)
                 if not self._full and keys:
                     keys = [keys[j] for j in window_chunks(keys[-1].end, self.groups[i].window, self.block_size,
                                                            self.opts.chunk_tokens)]
@@ -178,10 +178,11 @@ class SchedulerSide:
         return out
 
     # -- lookup ----------------------------------------------------------------------------------
-    def _lookup(self, tokens: list[int], limit: int, salt: str) -> _Answer:
+    def _lookup(self, tokens: list[int], limit: int, salt: str, spans: tuple[InputSpan, ...]) -> _Answer:
         """What of the stored prefix is worth loading (runs on the lookup pool; never raises)."""
         def shards(i: int) -> list[list[ChunkKey]]:
-            return [c.keys(tokens[:limit], namespace=c.namespace.with_salt(salt)) for c in self.group_caches[i]]
+            return [c.keys(tokens[:limit], namespace=c.namespace.with_salt(salt), spans=spans)
+                    for c in self.group_caches[i]]
 
         keyed = {i: shards(i) for i in range(len(self.groups))}
         keys = keyed[0][0] if keyed else []
@@ -237,8 +238,9 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         tokens = request.prompt_token_ids
-        bypass = self._bypass or ("multimodal" if getattr(request, "mm_features", None) else "")
-        if bypass:  # keys cover token ids only: multimodal prompts bypass the cache
+        spans = input_spans(request)
+        bypass = self._bypass or ("multimodal" if spans is None else "")
+        if bypass:  # a multimodal input the keys cannot name: the request bypasses the cache
             if req_id not in self._local_hit:
                 BYPASSED.inc(reason=bypass)
                 self._local_hit[req_id] = num_computed_tokens  # counted once per request
@@ -250,7 +252,7 @@ class SchedulerSide:
             return 0, False
         job = self._lookups.get(req_id)
         if job is None or job.num_tokens != len(tokens):
-            future = self._pool.submit(self._lookup, list(tokens), limit, request.cache_salt or "")
+            future = self._pool.submit(self._lookup, list(tokens), limit, request.cache_salt or "", spans or ())
             job = self._lookups[req_id] = _Lookup(len(tokens), self._clock(), future)
             # Only the first ask waits (a nearby tier answers within it and the schedule is unchanged);
             # later asks only look, so a frozen tier never costs a step more than once.
@@ -305,7 +307,8 @@ class SchedulerSide:
             used = blocks_for(pending.end, self.block_size)
             spec = LoadSpec(req_id, list(request.prompt_token_ids[:pending.end]),
                             [ids[:used] for ids in pending.block_ids], pending.start, pending.end,
-                            request.cache_salt or "", background=pending.background)
+                            request.cache_salt or "", background=pending.background,
+                            spans=input_spans(request) or ())
             meta.loads.append(spec)
             if pending.background:
                 self._loading[req_id] = spec
@@ -332,8 +335,10 @@ class SchedulerSide:
     def _plan_saves(self, meta: KVStoreConnectorMetadata, req_id: str, num_computed: int,
                     scheduler_output: SchedulerOutput) -> None:
         request = self._requests.get(req_id)
-        if (not self.do_save or request is None or request.prompt_token_ids is None
-                or getattr(request, "mm_features", None)):
+        if not self.do_save or request is None or request.prompt_token_ids is None:
+            return
+        spans = input_spans(request)
+        if spans is None:  # bypassed (get_num_new_matched_tokens counted it)
             return
         prompt = request.prompt_token_ids
         # With save_decode, generated tokens join the chain: all_token_ids is the prompt and what
@@ -350,7 +355,8 @@ class SchedulerSide:
             used = blocks_for(top, self.block_size)
             blocks = [ids[:used] for ids in self._group_ids(self._block_ids(req_id))]
             meta.saves.append(SaveSpec(req_id, list(source[:top]), blocks, ends, request.cache_salt or "",
-                                       start=done, window_ends=self._window_ends(ends, len(prompt), num_computed)))
+                                       start=done, window_ends=self._window_ends(ends, len(prompt), num_computed),
+                                       spans=spans))
             decoded = sum(1 for e in ends if e > len(prompt))
             if decoded:
                 DECODE_CHUNKS.inc(decoded)

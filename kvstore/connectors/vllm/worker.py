@@ -252,7 +252,7 @@ class WorkerSide:
                 slots = slots_from_block_table(spec.block_ids[i], self.block_size, spec.end)
                 got, _ = transfers[i].load_sequence(
                     spec.tokens, slots, max_tokens=spec.end, skip_tokens=skip,
-                    namespace=self.namespaces[i].with_salt(spec.salt), before_place=check)
+                    namespace=self.namespaces[i].with_salt(spec.salt), spans=spec.spans, before_place=check)
                 if got < spec.end:
                     # A full group holds a shorter prefix; a sliding-window group short of its
                     # window holds nothing usable (a shorter hit needs an earlier window).
@@ -368,12 +368,12 @@ class WorkerSide:
                 namespace = self.namespaces[i].with_salt(spec.salt)
                 if group.kind != "sliding":
                     transfers[i].save_sequence(spec.tokens[:top], slots, namespace=namespace, ends=spec.ends,
-                                               from_token=spec.start)
+                                               from_token=spec.start, spans=spec.spans)
                     continue
                 for end in spec.window_ends:  # the window's chunks are rewritten: what a reader needs
                     first = window_chunks(end, group.window, self.block_size, chunk).start * chunk
                     transfers[i].save_sequence(spec.tokens[:end], slots, namespace=namespace, ends=[end],
-                                               from_token=first)
+                                               from_token=first, spans=spec.spans)
         except Exception:
             log.exception("KVStoreConnector: save of request %s failed", spec.req_id)
 
