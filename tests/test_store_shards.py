@@ -177,7 +177,7 @@ def test_shards_below_a_shm_tier_in_a_tiered_store(shard_servers):
             for key in (f"{_K}/tiered/{i}" for i in range(1000)):
                 if len(by_shard[shards.shard_of(key)]) < 3:
                     by_shard[shards.shard_of(key)].append(key)
-            items = [(k, os.urandom((1 << 20) + i)) for i, k in enumerate(sum(by_shard.values(), []))]
+            items = [(k, os.urandom((1 << 20) + i)) for i, k in enumerate(k for share in by_shard.values() for k in share)]
             assert len(items) == 9
             tiered.put_many(items)
             assert tiered.flush(10)  # the shards tier is written in the background
@@ -194,3 +194,29 @@ def test_shards_below_a_shm_tier_in_a_tiered_store(shard_servers):
             assert tiered.flush(10) and all(shm.exists_many(keys))  # hits promoted into the host tier
     finally:
         shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True)
+
+
+def test_adding_a_real_server_remaps_about_one_in_n_of_the_keys(shard_servers, redis_server_factory):
+    """Keys written over 3 real servers, then read through the same 3 plus a 4th: every key the
+    4th does not win is still found where it was, and the 4th wins about 1/4 of them."""
+    for s in shard_servers:
+        s.flushall()
+    fourth = redis_server_factory()
+    keys = [f"{_K}/remap/{i:05d}" for i in range(400)]
+    items = [(k, k.encode() * 3) for k in keys]
+    with open_store(_url(shard_servers)) as three, open_store(_url([*shard_servers, fourth])) as four:
+        three.put_many(items)
+        assert [bytes(v) for v in three.get_many(keys)] == [v for _, v in items]
+        moved = [four.shard_of(k) == 3 for k in keys]
+        assert all(three.config.hosts[three.shard_of(k)] == four.config.hosts[four.shard_of(k)]
+                   for k, m in zip(keys, moved) if not m)  # a key not moved keeps its server
+        got = four.get_many(keys)
+        assert [v is None for v in got] == moved  # only the moved keys miss, read over real sockets
+        assert [bytes(v) for v, m in zip(got, moved) if not m] == [v for (_, v), m in zip(items, moved) if not m]
+        assert 0.17 < sum(moved) / len(keys) < 0.33, sum(moved)  # about 1/4, at most ~1/N
+        with fourth.client() as c:
+            assert c.dbsize() == 0
+        four.put_many([item for item, m in zip(items, moved) if m])  # re-saved, they land on the 4th
+        with fourth.client() as c:
+            assert c.dbsize() == sum(moved)
+        assert all(v is not None for v in four.get_many(keys))
