@@ -156,5 +156,8 @@ def register_prefix_lookup(shards: Sequence[PrefixCache], *, store: Store | None
                            limit: Callable[[int], int] | None = None, model: str | None = None,
                            registry: LookupRegistry = LOOKUPS) -> Callable[[], None]:
     """Register a ``PrefixLookup`` of ``shards`` with ``registry`` (the metrics server's);
-    returns the function that unregisters it (call it when the caches close)."""
+    returns the function that unregisters it (call it when the caches close). No shards (an
+    engine that stores nothing): nothing is registered, and the function does nothing."""
+    if not shards:
+        return lambda: None
     return registry.register(PrefixLookup(shards, store=store, limit=limit, model=model))

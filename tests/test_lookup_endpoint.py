@@ -184,6 +184,68 @@ def test_choosing_a_namespace(client, registry):
     assert client.lookup([1], namespace=a.id)[0] == 404
 
 
+# -- who registers ----------------------------------------------------------------------------------
+def test_the_reference_warm_engine_answers_while_open():
+    from kvstore.warm.reference import ReferenceWarmEngine
+
+    server = start_metrics_server(0)  # the process's registry, as `kvstore warm --metrics-port` serves it
+    client = Client(server)
+    engine = ReferenceWarmEngine("memory://", chunk_tokens=16)
+    ns = engine.transfer.cache.namespace.id
+    prompt = list(range(3, 3 + 40))
+    try:
+        assert client.lookup(prompt, namespace=ns)[1]["tokens"] == 0
+        engine.prefill(prompt)
+        engine.flush()
+        status, doc = client.lookup(prompt, namespace=ns)
+        assert status == 200 and doc["tokens"] == engine.keys(prompt)[-1].end > 0
+        assert ns in [n["namespace"] for n in client.namespaces()["namespaces"]]
+    finally:
+        engine.close()
+        assert client.lookup(prompt, namespace=ns)[0] == 404  # closed: unregistered
+        server.close()
+
+
+def test_the_vllm_scheduler_registration_patch():
+    """The lines the report proposes for ``SchedulerSide.__init__``, run against a TP=2 scheduler side."""
+    pytest.importorskip("vllm")
+    from kvstore.connectors.vllm.facts import EngineFacts, model_fingerprint
+    from kvstore.connectors.vllm.options import parse_options
+    from kvstore.connectors.vllm.plan import lookup_limit
+    from kvstore.connectors.vllm.scheduler import SchedulerSide
+
+    hf = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "_name_or_path": uuid.uuid4().hex}
+    facts = EngineFacts(model="tiny", fingerprint=model_fingerprint(hf, dtype="bfloat16", revision=uuid.uuid4().hex,
+                                                                    quantization=None),
+                        kv_dtype="bfloat16", block_size=16, num_layers=4, device_type="cpu", isa="vec",
+                        backend="CPU_ATTN", kv_cache_layout="LBHNC", tp_size=2)
+    store = MemoryStore()
+    side = SchedulerSide(store, facts, parse_options({"store": "memory://", "chunk_tokens": 32}), loads=True,
+                         saves=True, block_ids=lambda _: ([],))
+    registry = LookupRegistry()
+    server = start_metrics_server(0, lookups=registry)
+    client = Client(server)
+    try:
+        # -- the patch (with ``registry=`` left out: the process's) --
+        self = side
+        shards = [c for i in self._full for c in self.group_caches[i]]  # what a hit needs: every rank's shard
+        self._unregister_lookup = register_prefix_lookup(
+            shards, store=store, limit=lambda n: lookup_limit(n, self.block_size), registry=registry)
+        # --
+        assert len(shards) == 2
+        prompt = list(range(100, 100 + 3 * 32 + 5))
+        for rank, cache in enumerate(shards):
+            _fill(store, cache.namespace, prompt[:(3 - rank) * 32])  # rank 1 holds one chunk less
+        status, doc = client.lookup(prompt)
+        assert status == 200 and doc["namespace"] == side.caches[0].namespace.id
+        assert doc["asked_tokens"] == lookup_limit(len(prompt), 16) and doc["tokens"] == 2 * 32
+        self._unregister_lookup()
+        assert client.lookup(prompt)[0] == 404
+    finally:
+        side.close()
+        server.close()
+
+
 # -- bad requests -------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("body", "status", "says"), [
     (b"{not json", 400, "not JSON"),

@@ -8,6 +8,7 @@ from typing import Any
 from kvstore.connectors.agent import AgentConfig, KVStoreAgent
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey
+from kvstore.lookup_service import register_prefix_lookup
 from kvstore.reference import PRESETS, ModelRunner
 from kvstore.stores import Store, TieredStore
 from kvstore.warm.engine import CountingStore, WarmEngine
@@ -20,6 +21,8 @@ class ReferenceWarmEngine(WarmEngine):
 
     The model and namespace are those a serving reference engine with the same ``preset`` (or
     ``config``), ``chunk_tokens`` and store builds, so what this writes is what it looks up.
+    While it is open, the process's metrics server answers router lookups for its namespace
+    (``docs/lookup.md``).
     """
 
     name = "reference"
@@ -43,6 +46,8 @@ class ReferenceWarmEngine(WarmEngine):
         self.runner = ModelRunner(config, agent=self.agent)
         self.transfer = self.agent.transfer(self.runner.model, self.runner.kv_caches)
         self._max_tokens = config.num_blocks * config.block_size - 1
+        # `kvstore warm --metrics-port` then tells a router (or an operator) what is stored so far.
+        self._unregister_lookup = register_prefix_lookup([self.transfer.cache], limit=self.transfer.usable_tokens)
 
     @property
     def store(self) -> Store:
@@ -69,4 +74,5 @@ class ReferenceWarmEngine(WarmEngine):
                 "namespace": self.transfer.cache.namespace.id, "store": self._store.describe()}
 
     def close(self) -> None:
+        self._unregister_lookup()
         self.agent.close()
