@@ -315,6 +315,7 @@ def test_read_only(client, registry, redis_server):
                 assert status == 405 and "read-only" in doc["error"], (method, path)
                 assert "PUT" not in headers["Allow"] and "DELETE" not in headers["Allow"]
         assert client.request("GET", "/v1/lookup")[0] == 405
+        assert client.request("OPTIONS", "/v1/lookup")[0] == 501
         assert client.request("POST", "/metrics", b"{}")[0] == 405
         assert client.request("POST", "/v1/nope", b"{}")[0] == 404
         for _ in range(3):
