@@ -30,13 +30,16 @@ Contract, for every backend:
   trip per tier. A single store is one tier: itself. Callers (the cost model, a scheduler) use
   these instead of asking which kind of store they hold.
 * Stores are thread-safe.
+* A store that removes values on its own (capacity eviction) mixes in ``Evicting``: listeners
+  learn the keys it evicted, after they are gone.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,7 +47,7 @@ from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.stores.speed import LinkSpeed
 from kvstore.types import Buffer
 
-__all__ = ["Buffer", "LeaseStream", "Store", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
+__all__ = ["Buffer", "EvictionListener", "Evicting", "LeaseStream", "Store", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
 
 #: What ``get`` returns for a hit: the value's bytes (a view of a buffer the caller now owns).
 Value = bytes | memoryview
@@ -52,6 +55,10 @@ Value = bytes | memoryview
 WriteValue = Buffer | Pieces
 #: What ``get_into`` returns: values in key order as leases (``None`` for a miss); closable.
 LeaseStream = Generator[Lease | None, None, None]
+#: Told the keys a store evicted (called after they are gone, outside the store's locks).
+EvictionListener = Callable[[Sequence[str]], None]
+
+log = logging.getLogger(__name__)
 
 
 class StoreTier(Protocol):
@@ -191,6 +198,31 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.describe()}>"
+
+
+class Evicting:
+    """Mixin of stores that evict values on their own: listeners learn which keys went.
+
+    A listener runs in the thread that evicted, after the keys are gone and outside the store's
+    locks; it must be quick (hand the keys to a queue). An exception in it is logged, never
+    raised into the write that caused the eviction.
+    """
+
+    # A tuple replaced whole on change: evictions read it without a lock.
+    _eviction_listeners: tuple[EvictionListener, ...] = ()
+
+    def add_eviction_listener(self, listener: EvictionListener) -> None:
+        self._eviction_listeners = (*self._eviction_listeners, listener)
+
+    def remove_eviction_listener(self, listener: EvictionListener) -> None:
+        self._eviction_listeners = tuple(x for x in self._eviction_listeners if x is not listener)
+
+    def _evicted(self, keys: Sequence[str]) -> None:
+        for listener in self._eviction_listeners:
+            try:
+                listener(keys)
+            except Exception:  # a listener's bug must not fail the caller's write
+                log.exception("eviction listener %r failed", listener)
 
 
 class WrapperStore(Store):

@@ -27,7 +27,7 @@ from kvstore.buffers import Pieces, byte_view
 from kvstore.config import build, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.metrics.catalog import EVICTIONS
-from kvstore.stores.base import Store, WriteValue
+from kvstore.stores.base import Evicting, Store, WriteValue
 
 _STALE_TMP_SECONDS = 3600.0
 
@@ -54,7 +54,7 @@ class FileConfig:
         return build(cls, query_options(url), where="file://", path=os.path.expanduser(path))
 
 
-class FileStore(Store):
+class FileStore(Evicting, Store):
     is_local = True
     Config = FileConfig
 
@@ -194,6 +194,7 @@ class FileStore(Store):
     def evict(self) -> int:
         """Evict least recently used files down to ``low_water * max_bytes``; returns bytes freed."""
         target = int(self.config.max_bytes * self.config.low_water)
+        gone: list[str] = []
         with open(self.root / ".lock", "a+b") as lockf:
             fcntl.flock(lockf, fcntl.LOCK_EX)  # one evictor at a time across processes
             counted = self._usage(lambda t: t or 0)
@@ -217,6 +218,7 @@ class FileStore(Store):
                     os.unlink(path)
                     freed += size
                     EVICTIONS.inc(store="file")
+                    gone.append(unquote(os.path.basename(path)))
                 except FileNotFoundError:
                     pass
             now = time.time()
@@ -229,6 +231,8 @@ class FileStore(Store):
             # What the scan found, plus what writers counted since it began (perhaps counted
             # twice: an overestimate only brings the next eviction forward).
             self._usage(lambda t: total - freed + max(0, (t or 0) - counted))
+        if gone and self._eviction_listeners:
+            self._evicted(gone)
         return freed
 
     def describe(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from kvstore.buffers import Pieces
 from kvstore.config import build, option, query_options
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import EVICTIONS
-from kvstore.stores.base import Store, Value, WriteValue
+from kvstore.stores.base import Evicting, Store, Value, WriteValue
 from kvstore.types import array_view
 
 _HUGE = 1 << 20  # values at least this large live in numpy buffers (transparent huge pages)
@@ -55,7 +55,7 @@ class MemoryConfig:
         return build(cls, query_options(url), where="memory://")
 
 
-class MemoryStore(Store):
+class MemoryStore(Evicting, Store):
     is_local = True
     Config = MemoryConfig
 
@@ -87,6 +87,7 @@ class MemoryStore(Store):
     def put(self, key: str, value: WriteValue) -> None:
         data = _own(value)
         size = len(data)
+        gone: list[str] = []
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
@@ -94,11 +95,14 @@ class MemoryStore(Store):
             if size > self.config.max_bytes:
                 return  # larger than the whole tier: keeping it would evict everything else
             while self._data and self._bytes + size > self.config.max_bytes:
-                _, evicted = self._data.popitem(last=False)
+                evicted_key, evicted = self._data.popitem(last=False)
                 self._bytes -= len(evicted)
                 EVICTIONS.inc(store="memory")
+                gone.append(evicted_key)
             self._data[key] = data
             self._bytes += size
+        if gone and self._eviction_listeners:
+            self._evicted(gone)
 
     def delete(self, key: str) -> bool:
         with self._lock:
