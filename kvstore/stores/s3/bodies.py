@@ -1,6 +1,7 @@
 """The bytes of S3 requests and replies: a value sent as the file botocore streams a body from
 (``request_body``, no join of a value in pieces), and a value received by ranged GETs into one
-lease (``Fetch``), released only once no GET writes into it any more."""
+lease (``Fetch``), released only once no GET writes into it any more, and hashed as it lands
+(``PartsDigest``): the record decoder compares the digest instead of reading the value again."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 from concurrent.futures import Future, wait
 from typing import Any
 
-from kvstore.buffers import Lease, Pieces
+from kvstore.buffers import ArrivalDigest, Lease, Pieces
 from kvstore.errors import StoreUnavailableError
 from kvstore.stores.base import WriteValue
 
@@ -64,12 +65,57 @@ def request_body(value: WriteValue) -> bytes | bytearray | PiecesBody:
     return view.tobytes()
 
 
-class Fetch:
-    """One value being received by ``get_into``: its lease and the ranged GETs still filling it."""
+class PartsDigest:
+    """The ``ArrivalDigest`` of a value received in parts that land in any order: the first
+    part is fed slice by slice as it is received (``arrived``, in its reader's CPU cache); each
+    later part is fed by ``landed(index)`` once it and every part before it are in, by
+    whichever reader completes the run (one at a time: xxh3 is a sequential hash)."""
 
-    def __init__(self, lease: Lease, parts: list[Future[None]]) -> None:
+    def __init__(self, view: memoryview, bounds: list[tuple[int, int]]) -> None:
+        self._arrival = ArrivalDigest(len(view))
+        self._view = view
+        self._bounds = bounds  # (start, stop) of each part after the first, in order
+        self._landed = [False] * len(bounds)
+        self._next = 0  # the first part not yet hashed
+        self._busy = False  # a reader is hashing
+        self._lock = threading.Lock()
+
+    def arrived(self, piece: memoryview) -> None:
+        """The first part's next bytes, in order, before any later part lands."""
+        self._arrival.arrived(piece)
+
+    def landed(self, index: int) -> None:
+        """Part ``index`` (of ``bounds``) is wholly in the buffer."""
+        with self._lock:
+            self._landed[index] = True
+            if self._busy:
+                return  # the reader hashing now takes this part too, if it is next
+            self._busy = True
+        while True:
+            with self._lock:
+                k = self._next
+                if k >= len(self._bounds) or not self._landed[k]:
+                    self._busy = False
+                    return
+                self._next = k + 1
+            start, stop = self._bounds[k]
+            self._arrival.arrived(self._view[start:stop])
+
+    def digest(self) -> bytes | None:
+        """The digest once every part has landed (``ArrivalDigest.digest``); None before."""
+        with self._lock:
+            complete = self._next == len(self._bounds) and not self._busy
+        return self._arrival.digest() if complete else None
+
+
+class Fetch:
+    """One value being received by ``get_into``: its lease, the ranged GETs still filling it,
+    and its digest as the parts land."""
+
+    def __init__(self, lease: Lease, parts: list[Future[None]], digest: PartsDigest | None = None) -> None:
         self.lease = lease
         self.parts = parts
+        self.digest = digest
 
     def release(self, wait_for: float = 0.0) -> None:
         """Give the lease back once no GET writes into it: pending ones are cancelled, running

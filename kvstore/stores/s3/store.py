@@ -37,10 +37,10 @@ import botocore.exceptions
 import numpy as np
 from botocore.config import Config as BotoConfig
 
-from kvstore.buffers import BufferPool, borrow
+from kvstore.buffers import STREAM_SLICE, BufferPool, borrow
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
-from kvstore.stores.s3.bodies import Fetch, abandon, object_size, request_body
+from kvstore.stores.s3.bodies import Fetch, PartsDigest, abandon, object_size, request_body
 from kvstore.stores.s3.config import S3Config
 from kvstore.types import array_view
 
@@ -258,8 +258,9 @@ class S3Store(Store):
         asking for the object's first ``part_size`` bytes: the reply tells the object's size. A
         larger object's other parts are then fetched by parallel ranged GETs into the same lease
         (``If-Match`` its first part's ETag: an object rewritten meanwhile is unavailable, never
-        a mix of two writes), so one large record arrives over several connections. A lease is
-        released only once no request writes into it any more, however the stream ends."""
+        a mix of two writes), so one large record arrives over several connections. Each value
+        is hashed as it lands (``PartsDigest``) and its lease carries the digest (``Lease.digest``).
+        A lease is released only once no request writes into it any more, however the stream ends."""
         keys = list(keys)
         window = self.config.max_workers  # values in flight ahead of the consumer: bounds the leased bytes
         firsts: list[Future[Fetch | None]] = []
@@ -275,6 +276,8 @@ class S3Store(Store):
                 if fetch is not None:
                     for part in fetch.parts:
                         self._wait(part, ends[i])
+                    if fetch.digest is not None:
+                        fetch.lease.digest = fetch.digest.digest()
                 handed += 1
                 yield None if fetch is None else fetch.lease
         finally:
@@ -327,19 +330,21 @@ class S3Store(Store):
         except BaseException:
             body.close()
             raise
-        fetch = Fetch(lease, [])
+        bounds = [(start, min(size, start + part)) for start in range(length, size, part)]
+        fetch = Fetch(lease, [], PartsDigest(lease.view, bounds))
         try:
-            self._read_body(body, lease.view[:length])
+            self._read_body(body, lease.view[:length], fetch.digest)
             etag = response.get("ETag")
-            for start in range(length, size, part):
-                stop = min(size, start + part)
-                fetch.parts.append(self._submit(reads, self._read_range, key, etag, start, lease.view[start:stop]))
+            for index, (start, stop) in enumerate(bounds):
+                fetch.parts.append(self._submit(reads, self._read_range, key, etag, start, lease.view[start:stop],
+                                                fetch.digest, index))
         except BaseException:
             fetch.release()
             raise
         return fetch
 
-    def _read_range(self, key: str, etag: str | None, start: int, into: memoryview) -> None:
+    def _read_range(self, key: str, etag: str | None, start: int, into: memoryview,
+                    digest: PartsDigest | None = None, index: int = 0) -> None:
         match = {"IfMatch": etag} if etag else {}
         try:
             response = self._call(self._client.get_object, Key=self._key(key),
@@ -350,17 +355,24 @@ class S3Store(Store):
             response["Body"].close()
             raise self._unavailable(f"{key}: a ranged GET of {len(into)} bytes returned {response['ContentLength']}")
         self._read_body(response["Body"], into)
+        if digest is not None:
+            digest.landed(index)
 
-    def _read_body(self, body: Any, into: memoryview) -> None:
+    def _read_body(self, body: Any, into: memoryview, digest: PartsDigest | None = None) -> None:
         """Fill ``into`` from a GET's body; botocore checks the length read against
-        Content-Length, so a cut transfer raises instead of leaving part of a value."""
+        Content-Length, so a cut transfer raises instead of leaving part of a value. With
+        ``digest`` (a value's first part) the body is read in slices, each hashed right after it
+        lands, while it is still in the CPU's cache."""
         done = 0
         try:
             with self._body_errors():
                 while done < len(into):
-                    n = body.readinto(into[done:])
+                    stop = len(into) if digest is None else min(len(into), done + STREAM_SLICE)
+                    n = body.readinto(into[done:stop])
                     if not n:
                         break
+                    if digest is not None:
+                        digest.arrived(into[done:done + n])
                     done += n
                 if done < len(into):
                     body.readinto(into[done:])  # botocore raises IncompleteReadError here
