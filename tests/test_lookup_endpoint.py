@@ -23,7 +23,7 @@ from servers import freeze, thaw
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.lookup_service import PrefixLookup, register_prefix_lookup
-from kvstore.metrics.catalog import LOOKUP_TOKENS, LOOKUPS
+from kvstore.metrics.catalog import LOOKUP_TOKENS, LOOKUPS, ROUTER_LOOKUPS
 from kvstore.metrics.lookup import LookupRegistry, max_body_bytes
 from kvstore.metrics.server import MAX_CONCURRENT_LOOKUPS, MetricsServer, start_metrics_server
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
@@ -206,8 +206,8 @@ def test_the_reference_warm_engine_answers_while_open():
         server.close()
 
 
-def test_the_vllm_scheduler_registration_patch():
-    """The lines the report proposes for ``SchedulerSide.__init__``, run against a TP=2 scheduler side."""
+def test_the_vllm_scheduler_answers_for_its_namespace_while_open():
+    """A TP=2 scheduler side registers every rank's shard with the process's metrics server."""
     pytest.importorskip("vllm")
     from kvstore.connectors.vllm.facts import EngineFacts, model_fingerprint
     from kvstore.connectors.vllm.options import parse_options
@@ -222,25 +222,20 @@ def test_the_vllm_scheduler_registration_patch():
     store = MemoryStore()
     side = SchedulerSide(store, facts, parse_options({"store": "memory://", "chunk_tokens": 32}), loads=True,
                          saves=True, block_ids=lambda _: ([],))
-    registry = LookupRegistry()
-    server = start_metrics_server(0, lookups=registry)
+    server = start_metrics_server(0)  # the process's lookups (other tests' schedulers may be there too)
     client = Client(server)
+    namespace = side.caches[0].namespace.id
     try:
-        # -- the patch (with ``registry=`` left out: the process's) --
-        self = side
-        shards = [c for i in self._full for c in self.group_caches[i]]  # what a hit needs: every rank's shard
-        self._unregister_lookup = register_prefix_lookup(
-            shards, store=store, limit=lambda n: lookup_limit(n, self.block_size), registry=registry)
-        # --
+        shards = [c for i in side._full for c in side.group_caches[i]]  # what a hit needs: every rank's shard
         assert len(shards) == 2
         prompt = list(range(100, 100 + 3 * 32 + 5))
         for rank, cache in enumerate(shards):
             _fill(store, cache.namespace, prompt[:(3 - rank) * 32])  # rank 1 holds one chunk less
-        status, doc = client.lookup(prompt)
-        assert status == 200 and doc["namespace"] == side.caches[0].namespace.id
+        status, doc = client.lookup(prompt, namespace=namespace)
+        assert status == 200 and doc["namespace"] == namespace
         assert doc["asked_tokens"] == lookup_limit(len(prompt), 16) and doc["tokens"] == 2 * 32
-        self._unregister_lookup()
-        assert client.lookup(prompt)[0] == 404
+        side.close()
+        assert client.lookup(prompt, namespace=namespace)[0] == 404
     finally:
         side.close()
         server.close()
@@ -265,9 +260,11 @@ def test_the_vllm_scheduler_registration_patch():
 ])
 def test_bad_requests_are_one_line_400s(client, registry, body, status, says):
     registry.register(PrefixLookup([PrefixCache(MemoryStore(), _ns())]))
+    counted = ROUTER_LOOKUPS.value(status=str(status))
     got, headers, doc = client.request("POST", "/v1/lookup", body)
     assert got == status and headers["Content-Type"] == "application/json", doc
     assert says in doc["error"] and "\n" not in doc["error"]
+    assert ROUTER_LOOKUPS.value(status=str(status)) == counted + 1
 
 
 def test_bounds_on_size(registry):

@@ -46,6 +46,9 @@ __all__ = [
 LOOKUPS = REGISTRY.counter("kvstore_lookups_total", "Prefix lookups asked before a load (not saves' pre-checks).")
 SAVE_CHECKS = REGISTRY.counter("kvstore_save_checks_total",
                                "Lookups a save made to skip chunks already stored (saves told where to start make none).")
+ROUTER_LOOKUPS = REGISTRY.counter("kvstore_router_lookups_total",
+                                  "Router lookups answered (POST /v1/lookup), by HTTP status; not engine lookups.",
+                                  ("status",))
 LOOKUP_HIT_TOKENS = REGISTRY.counter("kvstore_lookup_hit_tokens_total", "Tokens found stored by lookups.")
 LOOKUP_TOKENS = REGISTRY.counter("kvstore_lookup_tokens_total", "Tokens asked for by lookups.")
 LOOKUP_FAILURES = REGISTRY.counter("kvstore_lookup_failures_total",

@@ -36,7 +36,7 @@ from typing import Any
 
 from kvstore._version import FORMAT_VERSION, __version__
 from kvstore.errors import ConfigError
-from kvstore.metrics.catalog import INFO
+from kvstore.metrics.catalog import INFO, ROUTER_LOOKUPS
 from kvstore.metrics.lookup import LOOKUPS, MAX_LOOKUP_TOKENS, BadLookup, LookupRegistry, max_body_bytes, parse_lookup
 from kvstore.metrics.registry import REGISTRY, Registry
 
@@ -177,6 +177,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(doc, separators=(",", ":")).encode() + b"\n", _JSON, headers)
 
     def _send(self, status: int, body: bytes, content_type: str, headers: Mapping[str, str] | None = None) -> None:
+        if self.command == "POST" and self.path.split("?", 1)[0] == "/v1/lookup":
+            ROUTER_LOOKUPS.inc(status=str(status))
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))

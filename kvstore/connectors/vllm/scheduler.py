@@ -57,6 +57,7 @@ from kvstore.connectors.vllm.stats import measurements_from_data
 from kvstore.cost import CostModel
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, InputSpan, TokenIds
+from kvstore.lookup_service import register_prefix_lookup
 from kvstore.metrics.catalog import BYPASSED, DECODE_CHUNKS, LOOKUP_FAILURES
 from kvstore.prefix_cache import PrefixCache, stored_by_tier
 from kvstore.stores import Store
@@ -150,6 +151,10 @@ class SchedulerSide:
         self._saved_upto: dict[str, int] = {}
         self._planned_saves: set[str] = set()  # requests a SaveSpec went out for (the worker knows them too)
         self._step = 0
+        # Router lookups (docs/lookup.md): the metrics server answers for this engine's namespace.
+        self._unregister_lookup = register_prefix_lookup(
+            [] if self._bypass else [c for i in self._full for c in self.group_caches[i]],
+            store=store, limit=lambda n: lookup_limit(n, self.block_size))
         if self.caches:
             ns = self.caches[0].namespace
             log.info("KVStoreConnector (scheduler): namespace %s (%s), KV cache groups %s, load=%s (%s, policy %s) "
@@ -159,6 +164,7 @@ class SchedulerSide:
         _live.add(self)
 
     def close(self) -> None:
+        self._unregister_lookup()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def chunk_keys(self, tokens: TokenIds, salt: str = "", spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
