@@ -20,8 +20,7 @@ Families (vLLM CPU 0.32, transformers 5.19, no torchvision in the venv; seen 202
   ``IMAGE_SIZE`` square and becomes ``<fake_token_around_image><global-img>`` +
   ``IMAGE_SEQ_LEN`` x ``<image>`` + ``<fake_token_around_image>``; vLLM's ``mm_position``
   covers the whole run (``IMAGE_SEQ_LEN + 3`` tokens) with ``is_embed`` marking the
-  ``<image>`` tokens. Several images per prompt, anywhere in it. An engine starts in about
-  20 s here (2 cores) and a 127-token prompt with one image prefills in well under a second.
+  ``<image>`` tokens. Several images per prompt, anywhere in it.
 * ``llava`` (CLIP tower + Llama): the checkpoint and processor build, but vLLM cannot import
   its model: ``vllm/model_executor/models/llava.py`` imports ``pixtral.py``, which imports
   transformers' torchvision pixtral image processor (``ModuleNotFoundError: No module named
