@@ -47,7 +47,8 @@ from kvstore.errors import ConfigError
 from kvstore.types import Buffer
 
 __all__ = ["ArrivalDigest", "BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool",
-           "configure_default_pool", "DEFAULT_POOL_BYTES", "SELF_CHECK_BYTES", "STREAM_SLICE", "byte_view"]
+           "configure_default_pool", "DEFAULT_POOL_BYTES", "SELF_CHECK_BYTES", "STREAM_SLICE", "byte_view",
+           "copy_bytes"]
 
 #: Default budget of the process-wide pool (``configure_default_pool`` changes it).
 DEFAULT_POOL_BYTES = 1 << 30
@@ -111,6 +112,23 @@ class Lease:
 def borrow(buffer: Buffer) -> Lease:
     """``buffer`` (owned elsewhere, e.g. a value a store returned) as a lease whose release does nothing."""
     return Lease(None, buffer, memoryview(buffer).nbytes)
+
+
+#: Copies at least this large go through numpy, which releases the GIL while it copies
+#: (a memoryview slice assignment holds it for the whole copy).
+_NOGIL_COPY = 1 << 16
+
+
+def copy_bytes(dst: memoryview, src: Buffer) -> None:
+    """Copy ``src`` into ``dst`` (both byte-addressed, the same size), with the GIL released for
+    large copies so other threads (readers receiving the next value) run meanwhile."""
+    src_view = byte_view(src)
+    if len(src_view) != len(dst):
+        raise ValueError(f"copy of {len(src_view)} bytes into {len(dst)}")
+    if len(dst) >= _NOGIL_COPY:
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src_view, dtype=np.uint8))
+    else:
+        dst[:] = src_view
 
 
 def byte_view(buf: Any) -> memoryview:

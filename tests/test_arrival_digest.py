@@ -95,3 +95,15 @@ def test_a_record_corrupted_in_the_store_is_rejected_with_the_arrival_digest(bac
                           digest=lease.digest)
         assert caught.value.reason == "checksum" and not out.any()  # rejected before a byte reached out
         lease.release()
+
+
+@pytest.mark.parametrize("size", [0, 1, (1 << 16) - 1, 1 << 16, (3 << 20) + 5])
+def test_copy_bytes_copies_exactly_and_refuses_a_size_mismatch(size):
+    from kvstore.buffers import copy_bytes
+
+    src = os.urandom(size)
+    dst = bytearray(size)
+    copy_bytes(memoryview(dst), src)
+    assert dst == src
+    with pytest.raises(ValueError):
+        copy_bytes(memoryview(bytearray(size + 1)), src)

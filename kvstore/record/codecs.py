@@ -17,6 +17,7 @@ from types import ModuleType
 
 import numpy as np
 
+from kvstore.buffers import copy_bytes
 from kvstore.errors import ConfigError, CorruptRecordError
 from kvstore.types import Buffer, array_view
 
@@ -162,6 +163,6 @@ def decode(chain: Sequence[str], data: Buffer, raw_len: int, out: memoryview | N
         if len(data) != raw_len:
             raise CorruptRecordError(f"codec {step} produced {len(data)} bytes, header says {raw_len}", "codec")
     if out is not None:
-        out[:] = data if isinstance(data, memoryview) else memoryview(data)
+        copy_bytes(out, data)
         return out
     return data

@@ -53,7 +53,7 @@ import msgpack
 import numpy as np
 import xxhash
 
-from kvstore.buffers import SELF_CHECK_BYTES, Lease, Pieces, byte_view
+from kvstore.buffers import SELF_CHECK_BYTES, Lease, Pieces, byte_view, copy_bytes
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import FORMAT_VERSION, ChunkKey, Namespace, TokenIds, tokens_to_array
 from kvstore.record import codecs
@@ -553,7 +553,7 @@ def decode_record(
     if header.codecs:
         kv = codecs.decode(header.codecs, body, header.raw_len, out)
     elif out is not None:
-        out[:] = body
+        copy_bytes(out, body)  # the GIL released: readers keep receiving meanwhile
         kv = out
     else:
         kv = body
