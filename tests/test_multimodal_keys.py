@@ -3,7 +3,8 @@
 Two prompts with the same placeholder tokens but different images never share a chunk that
 overlaps (or follows) an image; the same image at the same place does; chunks before the first
 image are shared with text-only prompts. Through the vLLM connector (its scheduler and worker
-halves around one store, as in test_vllm_unit) with vLLM's own ``MultiModalFeatureSpec``.
+halves around one store, as in test_vllm_unit) with vLLM's own ``MultiModalFeatureSpec``;
+tests/test_vllm_multimodal.py runs a real multimodal model.
 """
 
 from __future__ import annotations
@@ -103,6 +104,21 @@ def test_input_spans_read_vllms_multimodal_features():
         InputSpan(70, 70, "a", "image"), InputSpan(150, 40, "b", "image"))
     assert input_spans(SimpleNamespace(mm_features=[SimpleNamespace(identifier="a")])) is None  # no position
     assert input_spans(_request("r", _feature(None, 70, 70))) is None  # no identity
+    # An engine that names inputs by request (not content) keys none of them; text is unaffected.
+    assert input_spans(_request("r", _feature("renderer0-mm-1-image-0", 70, 70)), content_hashed=False) is None
+    assert input_spans(SimpleNamespace(mm_features=[]), content_hashed=False) == ()
+
+
+@needs_vllm
+@pytest.mark.parametrize(("mm", "prefix_caching", "hashed"), [
+    (None, False, True), (SimpleNamespace(mm_processor_cache_gb=4), False, True),
+    (SimpleNamespace(mm_processor_cache_gb=0), True, True), (SimpleNamespace(mm_processor_cache_gb=0), False, False)])
+def test_vllm_hashes_images_unless_both_of_its_caches_are_off(mm, prefix_caching, hashed):
+    from kvstore.connectors.vllm.facts import _mm_content_hashed
+
+    config = SimpleNamespace(model_config=SimpleNamespace(multimodal_config=mm),
+                             cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))
+    assert _mm_content_hashed(config) is hashed
 
 
 @needs_vllm

@@ -6,7 +6,8 @@ Spec: ``model`` (a directory), ``connector`` (``kv_connector_extra_config`` or n
 connector), ``role`` (vLLM kv_role, default kv_both), ``engine`` (extra ``LLM(...)`` arguments),
 ``actions``: a list of
 
-* ``{"generate": [[token ids], ...], "max_tokens": 16, "salt": null}``: one ``generate`` call;
+* ``{"generate": [[token ids], ...], "max_tokens": 16, "salt": null}``: one ``generate`` call (a
+  prompt may be ``{"ids": [token ids], "images": [seed, ...]}``: with ``vllm_multimodal.image``s);
   its result is ``{"tokens": [[...]], "cached": [num_cached_tokens...], "seconds": s}``.
 * ``{"reset_prefix_cache": true}``: empty vLLM's local prefix cache.
 * ``{"engine_info": true}`` (in-process engines only): ``{"kv_cache_groups": [[spec type,
@@ -65,6 +66,12 @@ def main(spec: dict) -> dict:
             prompts = []
             for ids in action["generate"]:
                 p = {"prompt_token_ids": ids}
+                if isinstance(ids, dict):  # {"ids": [...], "images": [seed, ...]}: tests/vllm_multimodal.py
+                    import vllm_multimodal
+
+                    images = [vllm_multimodal.image(seed) for seed in ids["images"]]
+                    p = {"prompt_token_ids": ids["ids"],
+                         "multi_modal_data": {"image": images[0] if len(images) == 1 else images}}
                 if action.get("salt"):
                     p["cache_salt"] = action["salt"]
                 prompts.append(p)

@@ -135,6 +135,10 @@ class EngineFacts:
     vllm_release: str = VLLM_MINOR_TEXT
     #: vLLM's KV cache groups, in vLLM's order; empty means one full-attention group of every layer.
     groups: tuple[KVGroup, ...] = ()
+    #: Whether vLLM names multimodal inputs by a hash of their content. With prefix caching and
+    #: the processor cache both off it names them by a per-request counter instead, which would
+    #: give two images one identity across engines: their prompts then bypass the cache.
+    mm_hashed: bool = True
 
     @property
     def kv_groups(self) -> tuple[KVGroup, ...]:
@@ -269,16 +273,29 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         scheduling_lag=1 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) else 0,
         groups=tuple(groups),
         vllm_release="{}.{}".format(*vllm_minor(vllm.__version__)),
+        mm_hashed=_mm_content_hashed(vllm_config),
     )
 
 
-def input_spans(request: Any) -> tuple[InputSpan, ...] | None:
+def _mm_content_hashed(vllm_config: VllmConfig) -> bool:
+    """vLLM's renderer skips content hashing when both caches that use it are off
+    (``vllm/renderers/base.py``, ``_process_mm_uuids``, 0.32 and 0.33)."""
+    mm = getattr(vllm_config.model_config, "multimodal_config", None)
+    return not (mm is not None and getattr(mm, "mm_processor_cache_gb", None) == 0
+                and not vllm_config.cache_config.enable_prefix_caching)
+
+
+def input_spans(request: Any, *, content_hashed: bool = True) -> tuple[InputSpan, ...] | None:
     """The multimodal inputs of a vLLM request as key spans (``()`` for a text prompt), or
-    ``None`` when one cannot be identified (no identifier or placeholder range): such a request
+    ``None`` when one cannot be identified (no identifier or placeholder range, or an engine
+    whose identifiers are not content hashes: ``EngineFacts.mm_hashed``): such a request
     bypasses the cache. Each span is what vLLM's own block hashes take from a
     ``MultiModalFeatureSpec``: its ``identifier`` and its ``mm_position``."""
+    features = getattr(request, "mm_features", None) or ()
+    if features and not content_hashed:
+        return None
     spans = []
-    for feature in getattr(request, "mm_features", None) or ():
+    for feature in features:
         try:
             position: Any = feature.mm_position
             spans.append(InputSpan(int(position.offset), int(position.length), feature.identifier,

@@ -127,6 +127,11 @@ class SchedulerSide:
                         [g.index for g in facts.kv_groups if g.kind == "state"])
             loads = saves = False
         self.do_load, self.do_save = loads, saves
+        self._mm_hashed = facts.mm_hashed
+        if not facts.mm_hashed:
+            log.warning("KVStoreConnector: vLLM names multimodal inputs by request, not by content, when prefix "
+                        "caching and the multimodal processor cache are both off: prompts with images bypass the "
+                        "cache (enable either to cache them)")
         self._block_ids = block_ids
         self._lag = lag
         self._clock = clock
@@ -244,7 +249,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         tokens = request.prompt_token_ids
-        spans = input_spans(request)
+        spans = input_spans(request, content_hashed=self._mm_hashed)
         bypass = self._bypass or ("multimodal" if spans is None else "")
         if bypass:  # a multimodal input the keys cannot name: the request bypasses the cache
             if req_id not in self._local_hit:
@@ -314,7 +319,7 @@ class SchedulerSide:
             spec = LoadSpec(req_id, list(request.prompt_token_ids[:pending.end]),
                             [ids[:used] for ids in pending.block_ids], pending.start, pending.end,
                             request.cache_salt or "", background=pending.background,
-                            spans=input_spans(request) or ())
+                            spans=input_spans(request, content_hashed=self._mm_hashed) or ())
             meta.loads.append(spec)
             if pending.background:
                 self._loading[req_id] = spec
@@ -343,7 +348,7 @@ class SchedulerSide:
         request = self._requests.get(req_id)
         if not self.do_save or request is None or request.prompt_token_ids is None:
             return
-        spans = input_spans(request)
+        spans = input_spans(request, content_hashed=self._mm_hashed)
         if spans is None:  # bypassed (get_num_new_matched_tokens counted it)
             return
         prompt = request.prompt_token_ids
