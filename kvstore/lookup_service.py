@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.keys import ChunkKey
-from kvstore.metrics.lookup import LOOKUPS, LookupRegistry
+from kvstore.keys import ChunkKey, InputSpan
+from kvstore.metrics.lookup import LOOKUPS, LookupInput, LookupRegistry
 from kvstore.prefix_cache import PrefixCache
 from kvstore.stores.base import Store
 
@@ -93,15 +93,17 @@ class PrefixLookup:
                 "kv_dtype": ns.kv_dtype, "layout": ns.layout, "tp_size": ns.tp_size, "shards": len(self.shards),
                 "tiers": [t.name for t in self.store.tiers]}
 
-    def keys(self, tokens: Sequence[int], cache_salt: str = "") -> list[list[ChunkKey]]:
-        """Every shard's chunk keys of ``tokens`` (cut by ``limit``) under ``cache_salt``."""
+    def keys(self, tokens: Sequence[int], cache_salt: str = "",
+             spans: Sequence[InputSpan] = ()) -> list[list[ChunkKey]]:
+        """Every shard's chunk keys of ``tokens`` (cut by ``limit``, with the multimodal inputs
+        ``spans``) under ``cache_salt``."""
         n = len(tokens)
         top = max(0, min(n, self._limit(n))) if self._limit is not None else n
-        return [c.keys(tokens[:top], namespace=c.namespace.with_salt(cache_salt)) for c in self.shards]
+        return [c.keys(tokens[:top], namespace=c.namespace.with_salt(cache_salt), spans=spans) for c in self.shards]
 
-    def answer(self, tokens: Sequence[int], cache_salt: str = "") -> Answer:
+    def answer(self, tokens: Sequence[int], cache_salt: str = "", spans: Sequence[InputSpan] = ()) -> Answer:
         """What the store holds of ``tokens`` (see the module docstring); never raises for an outage."""
-        keyed = self.keys(tokens, cache_salt)
+        keyed = self.keys(tokens, cache_salt, spans)
         names = [t.name for t in self.store.tiers]
         first = keyed[0]
         asked = first[-1].end if first else 0
@@ -148,8 +150,9 @@ class PrefixLookup:
         return per_tier, loadable
 
     # -- LookupProvider --------------------------------------------------------------------------
-    def lookup(self, tokens: Sequence[int], cache_salt: str) -> dict[str, Any]:
-        return self.answer(tokens, cache_salt).to_dict()
+    def lookup(self, tokens: Sequence[int], cache_salt: str, inputs: Sequence[LookupInput] = ()) -> dict[str, Any]:
+        spans = [InputSpan(i.offset, i.length, i.identity, i.modality) for i in inputs]
+        return self.answer(tokens, cache_salt, spans).to_dict()
 
 
 def register_prefix_lookup(shards: Sequence[PrefixCache], *, store: Store | None = None,

@@ -21,7 +21,7 @@ import pytest
 from servers import freeze, thaw
 
 from kvstore.errors import ConfigError
-from kvstore.keys import Namespace
+from kvstore.keys import InputSpan, Namespace
 from kvstore.lookup_service import PrefixLookup, register_prefix_lookup
 from kvstore.metrics.catalog import LOOKUP_TOKENS, LOOKUPS, ROUTER_LOOKUPS
 from kvstore.metrics.lookup import LookupRegistry, max_body_bytes
@@ -133,6 +133,23 @@ def test_counts_per_tier_memory_over_redis(client, registry, redis_server):
         assert (LOOKUPS.total(), LOOKUP_TOKENS.total()) == before
     finally:
         store.close()
+
+
+def test_a_prompt_with_an_image_is_asked_with_its_inputs(client, registry):
+    """The engine keys the chunks that overlap (or follow) an image by its identity: a router
+    names the prompt's inputs as vLLM's MultiModalFeatureSpec has them."""
+    store, ns = MemoryStore(), _ns()
+    prompt = list(range(100, 100 + 4 * CHUNK))
+    image = InputSpan(40, 30, "image-a", "image")  # chunk 1 and 2
+    cache = PrefixCache(store, ns)
+    cache.save(prompt, cache.keys(prompt, spans=[image]),
+               lambda c: ChunkPayload(shapes=[(c.num_tokens, 4)], kv=np.zeros((c.num_tokens, 4), np.float16)),
+               skip_stored=False)
+    registry.register(PrefixLookup([cache]))
+    named = {"offset": 40, "length": 30, "identity": "image-a", "modality": "image"}
+    assert client.lookup(prompt, inputs=[named])[1]["tokens"] == 4 * CHUNK
+    assert client.lookup(prompt, inputs=[{**named, "identity": "image-b"}])[1]["tokens"] == CHUNK
+    assert client.lookup(prompt)[1]["tokens"] == CHUNK  # the text before the image only
 
 
 def test_salt_limit_and_tp_shards(client, registry, redis_server):
@@ -257,6 +274,12 @@ def test_the_vllm_scheduler_answers_for_its_namespace_while_open():
     (b'{"tokens": [1], "cache_salt": 5}', 400, "cache_salt"),
     (b'{"tokens": [1], "model": 5}', 400, "model"),
     (b'{"tokens": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, "nested"),
+    (b'{"tokens": [1], "inputs": {}}', 400, "\"inputs\" must be a list"),
+    (b'{"tokens": [1], "inputs": [{"offset": 0, "length": 4}]}', 400, "inputs[0].identity"),
+    (b'{"tokens": [1], "inputs": [{"offset": -1, "length": 4, "identity": "a"}]}', 400, "inputs[0] needs"),
+    (b'{"tokens": [1], "inputs": [{"offset": 0, "length": 0, "identity": "a"}]}', 400, "inputs[0] needs"),
+    (b'{"tokens": [1], "inputs": [{"offset": 0, "length": 1, "identity": "a", "hash": 1}]}', 400, "inputs[0] must"),
+    (b'{"tokens": [1], "inputs": [{"offset": 0, "length": 1, "identity": "a", "modality": 3}]}', 400, "modality"),
 ])
 def test_bad_requests_are_one_line_400s(client, registry, body, status, says):
     registry.register(PrefixLookup([PrefixCache(MemoryStore(), _ns())]))
@@ -345,7 +368,7 @@ class _Stub:
     def describe(self) -> dict[str, Any]:
         return {"model": "stub"}
 
-    def lookup(self, tokens: Any, cache_salt: str) -> dict[str, Any]:
+    def lookup(self, tokens: Any, cache_salt: str, inputs: Any = ()) -> dict[str, Any]:
         if self.fail:
             raise RuntimeError("boom")
         with self._lock:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["LookupProvider", "LookupRegistry", "LookupRequest", "BadLookup", "LOOKUPS", "register_lookup",
+__all__ = ["LookupProvider", "LookupRegistry", "LookupRequest", "LookupInput", "BadLookup", "LOOKUPS", "register_lookup",
            "parse_lookup", "MAX_LOOKUP_TOKENS", "MAX_SALT_CHARS", "max_body_bytes"]
 
 #: Tokens one lookup may ask about (a prompt this long is beyond every served context).
@@ -34,7 +34,10 @@ MAX_LOOKUP_TOKENS = 1 << 20
 MAX_SALT_CHARS = 1024
 _TOKEN_LIMIT = 1 << 32  # token ids are hashed and stored as uint32
 _NAMESPACE_RE = re.compile(r"^[0-9a-f]{16}$")
-_FIELDS = ("tokens", "namespace", "model", "cache_salt")
+_FIELDS = ("tokens", "namespace", "model", "cache_salt", "inputs")
+#: Multimodal inputs one lookup may name, and the characters of an input's identity or modality.
+MAX_INPUTS, MAX_IDENTITY_CHARS = 1024, 1024
+_INPUT_FIELDS = ("offset", "length", "identity", "modality")
 
 
 def max_body_bytes(max_tokens: int) -> int:
@@ -53,8 +56,9 @@ class LookupProvider(Protocol):
     def describe(self) -> dict[str, Any]:
         """A JSON-able description for ``GET /v1/namespaces`` (model, chunk size, tiers); no secrets."""
 
-    def lookup(self, tokens: Sequence[int], cache_salt: str) -> dict[str, Any]:
-        """The JSON-able answer for ``tokens`` under ``cache_salt``; never raises for an outage."""
+    def lookup(self, tokens: Sequence[int], cache_salt: str, inputs: Sequence[LookupInput] = ()) -> dict[str, Any]:
+        """The JSON-able answer for ``tokens`` (with the multimodal ``inputs``) under
+        ``cache_salt``; never raises for an outage."""
 
 
 class BadLookup(ValueError):
@@ -66,11 +70,23 @@ class BadLookup(ValueError):
 
 
 @dataclass(frozen=True)
+class LookupInput:
+    """A multimodal input of the prompt: vLLM's ``mm_position`` (offset, length) of its
+    placeholder tokens, its ``identifier`` and modality (what the engine keys chunks by)."""
+
+    offset: int
+    length: int
+    identity: str
+    modality: str = ""
+
+
+@dataclass(frozen=True)
 class LookupRequest:
     tokens: list[int]
     namespace: str | None = None
     model: str | None = None
     cache_salt: str = ""
+    inputs: tuple[LookupInput, ...] = ()
 
 
 class LookupRegistry:
@@ -175,4 +191,28 @@ def parse_lookup(body: bytes, *, max_tokens: int = MAX_LOOKUP_TOKENS) -> LookupR
         salt = ""
     if not isinstance(salt, str) or len(salt) > MAX_SALT_CHARS:
         raise BadLookup(f"\"cache_salt\" must be a string of at most {MAX_SALT_CHARS} characters")
-    return LookupRequest(tokens, namespace, model, salt)
+    return LookupRequest(tokens, namespace, model, salt, _inputs(doc.get("inputs")))
+
+
+def _inputs(raw: Any) -> tuple[LookupInput, ...]:
+    """The ``inputs`` field: ``[{"offset": int, "length": int, "identity": str, "modality": str}]``."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list) or len(raw) > MAX_INPUTS:
+        raise BadLookup(f"\"inputs\" must be a list of at most {MAX_INPUTS} objects "
+                        "{\"offset\", \"length\", \"identity\", \"modality\"}")
+    out = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict) or set(item) - set(_INPUT_FIELDS):
+            raise BadLookup(f"inputs[{i}] must be an object with {', '.join(_INPUT_FIELDS)} (modality optional)")
+        offset, length, identity, modality = (item.get(f) for f in _INPUT_FIELDS)
+        if type(offset) is not int or not 0 <= offset < _TOKEN_LIMIT or type(length) is not int \
+                or not 0 < length < _TOKEN_LIMIT:
+            raise BadLookup(f"inputs[{i}] needs an integer \"offset\" >= 0 and \"length\" > 0 (its placeholder tokens)")
+        if not isinstance(identity, str) or not 0 < len(identity) <= MAX_IDENTITY_CHARS:
+            raise BadLookup(f"inputs[{i}].identity must be a non-empty string of at most {MAX_IDENTITY_CHARS} "
+                            "characters (vLLM's multimodal identifier)")
+        if modality is not None and (not isinstance(modality, str) or len(modality) > MAX_IDENTITY_CHARS):
+            raise BadLookup(f"inputs[{i}].modality must be a string (\"image\", \"audio\", ...)")
+        out.append(LookupInput(offset, length, identity, modality or ""))
+    return tuple(out)

@@ -109,7 +109,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._error(exc.status, str(exc))
                 return
             try:
-                answer = provider.lookup(request.tokens, request.cache_salt)
+                answer = provider.lookup(request.tokens, request.cache_salt, request.inputs)
             except Exception as exc:  # a provider's bug is this request's 500, not a dead server thread
                 log.warning("router lookup for namespace %s failed", provider.namespace_id, exc_info=True)
                 self._error(500, f"lookup failed: {type(exc).__name__}: {exc}")
