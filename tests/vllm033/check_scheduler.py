@@ -80,6 +80,27 @@ def version_accepted() -> None:
         check(f"the connector's version check accepts vLLM {vllm.__version__}", False, f"{type(exc).__name__}: {exc}")
 
 
+def multimodal_features() -> None:
+    """vLLM's MultiModalFeatureSpec reads as the key spans the connector hashes (identifier and
+    mm_position), and its renderer still skips content hashing only with both caches off."""
+    import inspect
+
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.renderers import base as renderers
+
+    from kvstore.connectors.vllm.facts import input_spans
+    from kvstore.keys import InputSpan
+
+    feature = MultiModalFeatureSpec(data=None, modality="image", identifier="img-a",
+                                    mm_position=PlaceholderRange(offset=40, length=67))
+    spans = input_spans(type("R", (), {"mm_features": [feature]})())
+    check("a MultiModalFeatureSpec reads as a key span", spans == (InputSpan(40, 67, "img-a", "image"),), str(spans))
+    source = inspect.getsource(renderers.BaseRenderer._process_mm_uuids) if hasattr(
+        renderers, "BaseRenderer") else inspect.getsource(renderers)
+    check("the renderer skips content hashing only with mm_processor_cache_gb == 0 and no prefix caching",
+          "mm_processor_cache_gb == 0" in source and "enable_prefix_caching" in source)
+
+
 class Spy:
     """Records the scheduler's calls into the connector (arguments and answers)."""
 
@@ -329,6 +350,7 @@ def main() -> int:
 
     check("vLLM platform is CPU", current_platform.device_type == "cpu", type(current_platform).__name__)
     version_accepted()
+    stage("multimodal features")(multimodal_features)
     tmp = tempfile.mkdtemp(prefix="kvstore-vllm033-store-")
     atexit.register(shutil.rmtree, tmp, True)
     stores = args.store or ["memory://", f"file://{tmp}"]
