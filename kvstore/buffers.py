@@ -44,11 +44,11 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import ConfigError
-from kvstore.types import Buffer
+from kvstore.types import Buffer, array_view
 
 __all__ = ["ArrivalDigest", "BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool",
            "configure_default_pool", "DEFAULT_POOL_BYTES", "SELF_CHECK_BYTES", "STREAM_SLICE", "byte_view",
-           "copy_bytes"]
+           "copy_bytes", "lease_or_fresh"]
 
 #: Default budget of the process-wide pool (``configure_default_pool`` changes it).
 DEFAULT_POOL_BYTES = 1 << 30
@@ -129,6 +129,16 @@ def copy_bytes(dst: memoryview, src: Buffer) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src_view, dtype=np.uint8))
     else:
         dst[:] = src_view
+
+
+def lease_or_fresh(pool: BufferPool, nbytes: int, wait: float) -> Lease:
+    """A lease of ``pool`` if one frees up within ``wait`` seconds, else a fresh buffer of
+    ``nbytes`` (a read never stalls on a full pool). Tested against None, not for truth: a lease
+    of 0 bytes is falsy (``len``), and ``lease or fresh`` would lose it, pool bytes and all."""
+    lease = pool.lease(nbytes, wait=wait)
+    if lease is None:
+        lease = borrow(array_view(np.empty(nbytes, dtype=np.uint8)))
+    return lease
 
 
 def byte_view(buf: Any) -> memoryview:

@@ -1,4 +1,5 @@
 """Values hashed as they arrive (``Lease.digest``, issue 24): every backend that sets a digest
+(Redis, redis+shards, S3, file)
 sets exactly the xxh3-64 of all but the value's last 8 bytes, whatever the order its parts land
 in, and a record corrupted in the store is still rejected when the reader trusts that digest."""
 
@@ -69,10 +70,24 @@ def _namespace() -> Namespace:
                      layer_end=1)
 
 
-@pytest.mark.parametrize("backend", ["s3", "redis", "shards"])
-def test_a_record_corrupted_in_the_store_is_rejected_with_the_arrival_digest(backend, s3_server, redis_server):
+@pytest.mark.parametrize("size", [0, 7, 8, 9, (1 << 20) + 1, (3 << 20) + 77])
+def test_file_leases_carry_the_digest_of_what_was_read(tmp_path, size):
+    with open_store(f"file://{tmp_path}") as store:
+        value = os.urandom(size)
+        store.put(f"{_K}/d/{size}", value)
+        pool = BufferPool(64 << 20)
+        lease, missing = list(store.get_into([f"{_K}/d/{size}", f"{_K}/d/none"], pool))
+        assert missing is None and lease is not None and bytes(lease.view) == value
+        assert lease.digest == _expected(value)
+        lease.release()
+        assert pool.stats()["leased_bytes"] == 0
+
+
+@pytest.mark.parametrize("backend", ["s3", "redis", "shards", "file"])
+def test_a_record_corrupted_in_the_store_is_rejected_with_the_arrival_digest(backend, s3_server, redis_server,
+                                                                              tmp_path):
     url = {"s3": s3_server.url_for("corrupt", part_size="1MiB", deadline="20s"), "redis": redis_server.url,
-           "shards": f"redis+shards://127.0.0.1:{redis_server.port}"}[backend]
+           "shards": f"redis+shards://127.0.0.1:{redis_server.port}", "file": f"file://{tmp_path}"}[backend]
     with open_store(url) as store:
         cache = PrefixCache(store, _namespace())
         tokens = np.arange(32, dtype=np.uint32)
@@ -107,3 +122,18 @@ def test_copy_bytes_copies_exactly_and_refuses_a_size_mismatch(size):
     assert dst == src
     with pytest.raises(ValueError):
         copy_bytes(memoryview(bytearray(size + 1)), src)
+
+
+@pytest.mark.parametrize("backend", ["redis", "file"])
+def test_an_empty_value_gives_its_pool_lease_back(backend, redis_server, tmp_path):
+    """A lease of 0 bytes is falsy (``len``): reading one must not swap it for a fresh buffer and
+    leave the pool's bytes leased forever."""
+    url = {"redis": redis_server.url, "file": f"file://{tmp_path}"}[backend]
+    with open_store(url) as store:
+        store.put(f"{_K}/empty", b"")
+        pool = BufferPool(8 << 20)
+        for _ in range(3):
+            (lease,) = list(store.get_into([f"{_K}/empty"], pool))
+            assert lease is not None and bytes(lease.view) == b""
+            lease.release()
+        assert pool.stats()["leased_bytes"] == 0

@@ -16,14 +16,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import redis
 
-from kvstore.buffers import BufferPool, Lease, borrow
+from kvstore.buffers import BufferPool, Lease, lease_or_fresh
 from kvstore.stores.base import WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.waves import Cancelled, Waves
-from kvstore.types import array_view
 
 _LEASE_WAIT = 0.05  # a reader waits this long for a pool buffer, then receives into a fresh one
 _TIMEOUTS = (TimeoutError, redis.exceptions.TimeoutError)  # a frozen server: never retried
@@ -124,7 +122,7 @@ def read_into(direct: Any, commands: list[list[Any]], share: Sequence[int], slot
         leased: list[Lease] = []
 
         def into(size: int) -> memoryview:
-            lease = pool.lease(size, wait=_LEASE_WAIT) or borrow(array_view(np.empty(size, np.uint8)))
+            lease = lease_or_fresh(pool, size, _LEASE_WAIT)
             leased.append(lease)
             return lease.view
 

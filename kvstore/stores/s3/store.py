@@ -34,15 +34,13 @@ from typing import Any, TypeVar
 
 import boto3
 import botocore.exceptions
-import numpy as np
 from botocore.config import Config as BotoConfig
 
-from kvstore.buffers import STREAM_SLICE, BufferPool, borrow
+from kvstore.buffers import STREAM_SLICE, BufferPool, borrow, lease_or_fresh
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
 from kvstore.stores.s3.bodies import Fetch, PartsDigest, abandon, object_size, request_body
 from kvstore.stores.s3.config import S3Config
-from kvstore.types import array_view
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -326,7 +324,7 @@ class S3Store(Store):
         try:
             length = int(response["ContentLength"])
             size = object_size(response.get("ContentRange"), length)
-            lease = pool.lease(size, wait=_LEASE_WAIT) or borrow(array_view(np.empty(size, np.uint8)))
+            lease = lease_or_fresh(pool, size, _LEASE_WAIT)
         except BaseException:
             body.close()
             raise
