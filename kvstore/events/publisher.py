@@ -12,8 +12,9 @@ events reads these too:
   big-endian; a REQ socket adds the empty frame itself) and receives, for every batch still
   buffered with ``seq >= start_seq``, ``[b"", topic, seq, payload]``, then the end marker
   ``[b"", b"", (-1 as 8 signed bytes), b""]``. The last ``buffer_steps`` batches are kept.
-* **Batching**: one batch per wake-up of the publishing thread, holding every event queued
-  since (vLLM: one batch per scheduler step).
+* **Batching**: one batch holds every event queued since the last, and batches go at most every
+  ``batch_interval`` (vLLM: one batch per scheduler step); the replay socket has a thread of its
+  own, so an idle publisher does not wake.
 
 Its promises to the engine (kvstore's "never wait"): ``stored``, ``removed`` and ``cleared``
 only copy what they need (the chunk digests and tokens) and queue it; encoding and sending run
@@ -31,15 +32,12 @@ into ``BlockRemoved``, and, with ``redis=True``, Redis's evicted and expired key
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-import numpy as np
 
 from kvstore.config import build, check_options, option
 from kvstore.errors import ConfigError
@@ -72,7 +70,7 @@ MEDIUMS = {
 }
 #: The replay stream's end marker (vLLM's ``ZmqEventPublisher.END_SEQ``).
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-_WAKE = 0.05  # seconds the publishing thread waits for events before it looks at the replay socket again
+_REPLAY_POLL = 500  # ms the replay thread waits for a request before it checks for close
 _BATCH_MAX = 4096  # queued calls one batch takes at most
 
 
@@ -105,6 +103,8 @@ class EventsConfig:
     max_queue_size: int = option(100_000, lo=1, hi=10_000_000,
                                  help="Calls queued for the publishing thread at most; beyond, events are dropped.")
     data_parallel_rank: int = option(0, lo=0, hi=65_535, help="Written into every batch; shifts the TCP ports.")
+    batch_interval: float = option(0.05, kind="duration", lo=0.0, hi=1.0,
+                                   help="Batches are sent at most this often; events meanwhile share one.")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -148,7 +148,7 @@ def _binds(endpoint: str) -> bool:
 class _Stored:
     digests: tuple[bytes, ...]
     parent: bytes | None
-    tokens: np.ndarray
+    tokens: Any  # a private copy of the blocks' token ids (uint32 array)
     block_size: int
     medium: str
     lora_name: str | None
@@ -183,10 +183,13 @@ class KVEventPublisher:
         self._ctx: Any = zmq.Context.instance()
         self._topic = c.topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=c.buffer_steps)
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=c.max_queue_size)
+        # A deque and an Event rather than a queue.Queue: appends and pops are atomic, so the
+        # engine's thread and the publisher's never take a lock per event (only to wake it).
+        self._queue: deque[Any] = deque()
+        self._wake = threading.Event()
         self._seq = 0
         self._stats = {"batches": 0, "events": 0, "blocks_stored": 0, "blocks_removed": 0, "dropped": 0,
-                       "replays": 0, "errors": 0}
+                       "replays": 0, "errors": 0, "thread_cpu_us": 0}
         self._stats_lock = threading.Lock()
         self._detach: list[Callable[[], None]] = []
         #: The Redis removal watchers ``watch(..., redis=True)`` started (closed by ``close``).
@@ -210,6 +213,10 @@ class KVEventPublisher:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvstore-events", daemon=True)
         self._thread.start()
+        self._replay_thread: threading.Thread | None = None
+        if self._replay is not None:
+            self._replay_thread = threading.Thread(target=self._run_replay, name="kvstore-events-replay", daemon=True)
+            self._replay_thread.start()
 
     def _attach(self, sock: Any, endpoint: str, *, bind: bool) -> str:
         """Bind or connect ``sock``; the address bound (a wildcard port resolved)."""
@@ -245,6 +252,8 @@ class KVEventPublisher:
         arr = tokens_to_array(tokens)
         if arr.shape[0] < chosen[-1].end:
             raise ValueError(f"tokens hold {arr.shape[0]} ids; the keys cover {chosen[-1].end}")
+        # Only copies here (the engine's thread); hashes are converted and events encoded in the
+        # publisher's thread, as vLLM's publish() only queues.
         item = _Stored(tuple(k.digest for k in chosen), keys[first - 1].digest if first else None,
                        arr[chosen[0].start:chosen[-1].end].copy(), chosen[0].num_tokens, medium, lora_name,
                        cache_salt if chosen[0].index == 0 else "")
@@ -297,7 +306,7 @@ class KVEventPublisher:
 
     def stats(self) -> dict[str, int]:
         """Counts since start: batches and events sent, blocks announced, events dropped
-        (queue full), replays served, send errors."""
+        (queue full), replays served, send errors, and the publishing thread's CPU time (us)."""
         with self._stats_lock:
             return dict(self._stats)
 
@@ -308,59 +317,88 @@ class KVEventPublisher:
     def _put(self, item: Any) -> bool:
         if self._closed:
             return False
-        try:
-            self._queue.put_nowait(item)
-            return True
-        except queue.Full:
+        if len(self._queue) >= self.config.max_queue_size:
             self._count("dropped")
             return False
+        self._queue.append(item)
+        if not self._wake.is_set():
+            self._wake.set()
+        return True
+
+    def pending(self) -> int:
+        """Calls queued and not yet sent."""
+        return len(self._queue)
 
     # -- the publishing thread -------------------------------------------------------------------
     def _run(self) -> None:
         stop = False
+        last = 0.0
         while not stop:
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    try:
-                        self._serve_replay()
-                    except Exception:
-                        log.exception("KV-event replay failed")
-            try:
-                item = self._queue.get(timeout=_WAKE)
-            except queue.Empty:
-                continue
-            items = [item]
-            while len(items) < _BATCH_MAX:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            self._wake.wait()
+            self._wake.clear()
+            # Coalesce: at most one batch per batch_interval (a burst of evictions is one batch,
+            # as vLLM sends one per scheduler step, not one per block).
+            wait = last + self.config.batch_interval - time.monotonic()
+            if wait > 0 and self._queue and self._queue[0] is not _STOP:
+                time.sleep(wait)
+            items: list[Any] = []
+            while self._queue and len(items) < _BATCH_MAX:
+                items.append(self._queue.popleft())
+            if self._queue:
+                self._wake.set()  # more than one batch's worth: go round again
             if _STOP in items:
                 stop = True
                 items = items[:items.index(_STOP)]
             if items:
                 try:
-                    self._send([self._event(i) for i in items])
+                    self._send(self._events(items))
                 except Exception:  # a bad send must not end the thread: later events still go
                     self._count("errors")
                     log.exception("publishing KV events failed")
+                last = time.monotonic()
+            self._count("thread_cpu_us", int(time.thread_time() * 1e6) - self._stats["thread_cpu_us"])
 
-    def _event(self, item: Any) -> Event:
+    def _run_replay(self) -> None:
+        # The replay socket lives in this thread alone (ZMQ sockets are not thread-safe); it reads
+        # the buffer the publishing thread appends to (a deque: appends and copies are atomic).
+        while not self._closed:
+            try:
+                if self._replay.poll(_REPLAY_POLL):
+                    self._serve_replay()
+            except self._zmq.ZMQError:
+                if self._closed:
+                    return
+                log.exception("KV-event replay failed")
+            except Exception:
+                log.exception("KV-event replay failed")
+
+    def _events(self, items: list[Any]) -> list[Event | bytes]:
+        # Adjacent removals from one medium become one BlockRemoved (vLLM sends one per block;
+        # a list of hashes is the same message to a router, and much cheaper to encode).
+        merged: list[Any] = []
+        for item in items:
+            last = merged[-1] if merged else None
+            if isinstance(item, _Removed) and isinstance(last, list) and last[0] == item.medium:
+                last.extend(item.digests)
+            else:
+                merged.append([item.medium, *item.digests] if isinstance(item, _Removed) else item)
         hf = self.config.hash_format
-        if isinstance(item, _Stored):
-            self._count("blocks_stored", len(item.digests))
-            extra = None
-            if item.salt:
-                extra = [(item.salt,), *([None] * (len(item.digests) - 1))]
-            return BlockStored([block_hash(d, hf) for d in item.digests],
-                               None if item.parent is None else block_hash(item.parent, hf),
-                               item.tokens.tolist(), item.block_size, item.medium, item.lora_name, extra)
-        if isinstance(item, _Removed):
-            self._count("blocks_removed", len(item.digests))
-            return BlockRemoved([block_hash(d, hf) for d in item.digests], item.medium)
-        return AllBlocksCleared()
+        out: list[Event | bytes] = []
+        for item in merged:
+            if isinstance(item, _Stored):
+                self._count("blocks_stored", len(item.digests))
+                extra = [(item.salt,), *([None] * (len(item.digests) - 1))] if item.salt else None
+                out.append(BlockStored([block_hash(d, hf) for d in item.digests],
+                                       None if item.parent is None else block_hash(item.parent, hf),
+                                       item.tokens, item.block_size, item.medium, item.lora_name, extra))
+            elif isinstance(item, list):
+                self._count("blocks_removed", len(item) - 1)
+                out.append(BlockRemoved([block_hash(d, hf) for d in item[1:]], item[0]))
+            else:
+                out.append(AllBlocksCleared())
+        return out
 
-    def _send(self, events: list[Event]) -> None:
+    def _send(self, events: list[Event | bytes]) -> None:
         c = self.config
         payload = encode_batch(time.time(), events, c.data_parallel_rank, encoding=c.encoding)
         seq = self._seq
@@ -393,11 +431,11 @@ class KVEventPublisher:
             stop()
         self._detach.clear()
         self._closed = True
-        try:
-            self._queue.put(_STOP, timeout=timeout)
-        except queue.Full:
-            pass
+        self._queue.append(_STOP)
+        self._wake.set()
         self._thread.join(timeout)
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout)
         self._close_sockets()
 
     def _close_sockets(self) -> None:

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 __all__ = ["ENCODINGS", "HASH_FORMATS", "BlockStored", "BlockRemoved", "AllBlocksCleared", "Event", "block_hash",
-           "encode_batch"]
+           "encode_batch", "encode_event"]
 
 ENCODINGS = ("map", "array")
 HASH_FORMATS = ("int", "bytes")
@@ -48,7 +49,7 @@ BlockHash = int | bytes
 class BlockStored:
     block_hashes: Sequence[BlockHash]
     parent_block_hash: BlockHash | None
-    token_ids: Sequence[int]
+    token_ids: Sequence[int] | np.ndarray
     block_size: int
     medium: str | None
     lora_name: str | None = None
@@ -77,17 +78,58 @@ def block_hash(digest: bytes, hash_format: str) -> BlockHash:
     return bytes(digest)
 
 
-def _event(event: Event, encoding: str) -> Any:
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _map_header(n: int) -> bytes:
+    return bytes((0x80 | n,))  # events have fewer than 16 fields
+
+
+#: One msgpack uint 32 (0xce, then the value big-endian), as a numpy record.
+_UINT32 = np.dtype([("marker", "u1"), ("value", ">u4")])
+
+
+def _pack_tokens(tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as a msgpack array of uint32s, packed by numpy: a prompt's tokens as Python ints
+    would cost the publisher more than all else it does."""
+    arr = np.asarray(tokens)
+    body = np.empty(arr.shape[0], dtype=_UINT32)
+    body["marker"] = 0xCE
+    body["value"] = arr
+    return _array_header(arr.shape[0]) + body.tobytes()
+
+
+def _pack(value: Any) -> bytes:
+    packed: bytes = msgpack.packb(value, use_bin_type=True)
+    return packed
+
+
+# Field names, tags and None, packed once: a batch of many small events is mostly these.
+_P = {name: _pack(name) for name in ("type", "BlockStored", "BlockRemoved", "AllBlocksCleared", "block_hashes",
+                                     "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+                                     "extra_keys")}
+_NONE = _pack(None)
+
+
+def encode_event(event: Event, encoding: str) -> bytes:
+    """One event's msgpack bytes in ``encoding`` (what ``encode_batch`` takes in place of it)."""
     if isinstance(event, BlockStored):
-        fields: list[tuple[str, Any]] = [
-            ("block_hashes", list(event.block_hashes)), ("parent_block_hash", event.parent_block_hash),
-            ("token_ids", list(event.token_ids)), ("block_size", event.block_size), ("lora_id", None),
-            ("medium", event.medium), ("lora_name", event.lora_name)]
+        fields: list[tuple[str, bytes]] = [
+            ("block_hashes", _pack(list(event.block_hashes))),
+            ("parent_block_hash", _NONE if event.parent_block_hash is None else _pack(event.parent_block_hash)),
+            ("token_ids", _pack_tokens(event.token_ids)), ("block_size", _pack(event.block_size)),
+            ("lora_id", _NONE), ("medium", _pack(event.medium)),
+            ("lora_name", _NONE if event.lora_name is None else _pack(event.lora_name))]
         if encoding == "map" and event.extra_keys is not None:
-            fields.append(("extra_keys", [None if k is None else list(k) for k in event.extra_keys]))
+            fields.append(("extra_keys", _pack([None if k is None else list(k) for k in event.extra_keys])))
         tag = "BlockStored"
     elif isinstance(event, BlockRemoved):
-        fields = [("block_hashes", list(event.block_hashes)), ("medium", event.medium)]
+        fields = [("block_hashes", _pack(list(event.block_hashes))), ("medium", _pack(event.medium))]
         tag = "BlockRemoved"
     elif isinstance(event, AllBlocksCleared):
         fields = []
@@ -95,16 +137,20 @@ def _event(event: Event, encoding: str) -> Any:
     else:
         raise TypeError(f"not a KV event: {event!r}")
     if encoding == "map":
-        return {"type": tag, **dict(fields)}
-    return [tag, *(value for _, value in fields)]
+        return b"".join([_map_header(len(fields) + 1), _P["type"], _P[tag],
+                         *(_P[name] + value for name, value in fields)])
+    return b"".join([_array_header(len(fields) + 1), _P[tag], *(value for _, value in fields)])
 
 
-def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int | None, *, encoding: str) -> bytes:
-    """The msgpack bytes of vLLM's ``KVEventBatch(ts, events, data_parallel_rank)`` in ``encoding``."""
+def encode_batch(ts: float, events: Sequence[Event | bytes], data_parallel_rank: int | None, *,
+                 encoding: str) -> bytes:
+    """The msgpack bytes of vLLM's ``KVEventBatch(ts, events, data_parallel_rank)`` in ``encoding``
+    (an event may be given already encoded, by ``encode_event`` in the same encoding)."""
     if encoding not in ENCODINGS:
         raise ValueError(f"encoding={encoding!r}; accepted: {', '.join(ENCODINGS)}")
-    batch: list[Any] = [float(ts), [_event(e, encoding) for e in events]]
+    # msgpack concatenates: each part is packed on its own (the tokens by numpy) and joined.
+    parts = [_array_header(2 if data_parallel_rank is None else 3), _pack(float(ts)), _array_header(len(events)),
+             *(e if isinstance(e, bytes) else encode_event(e, encoding) for e in events)]
     if data_parallel_rank is not None:  # omit_defaults: vLLM leaves a None rank out
-        batch.append(data_parallel_rank)
-    packed: bytes = msgpack.packb(batch, use_bin_type=True)
-    return packed
+        parts.append(_pack(data_parallel_rank))
+    return b"".join(parts)
