@@ -37,6 +37,10 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
                      benchmarks/results/tiers.md): the ceiling ran at 0.66 GB/s and kvstore read
                      as 1.5x it. Each round the same client also reads the records from a
                      process of its own (``StandaloneRaw``): the ceiling's check
+  raw + copy         the raw client's retrieve, then each record's KV bytes copied into the
+                     destination (``np.copyto``, as kvstore's load sink does): the CPU a raw client
+                     spends to place the bytes where a load does, without verifying them (its store
+                     is the raw client's)
   raw, 4 connections the same client over kvstore's 4 connections, a thread and every 4th record
                      each (``RawPathSpread``): the ceiling of a client with four connections
   kvstore cache      PrefixCache.save (lookup to skip stored chunks, xxh3 over the payload, the
@@ -60,6 +64,10 @@ LMCache's standalone mode copies nothing from or to a KV cache (its mock connect
 from_gpu/to_gpu do nothing), so its store sends whatever its allocator buffers hold and its
 retrieve ends when the bytes are in its buffers. kvstore's save includes one copy of the KV into
 the record plus hashing, and its load the verification plus a copy into the destination tensor.
+
+CPU s/GB beside every GB/s figure: this process's user+system time (``getrusage(RUSAGE_SELF)``,
+every thread, LMCache's included) over each timed store and retrieve, per GB of KV; the
+redis-server's is not counted. The standalone raw client's is its own process's.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -326,6 +335,25 @@ class RawPath:
         raw_get_window(self.client, [k for k, _ in self.items], self.buffers, self.window)  # raises on a miss
 
 
+class RawPathCopy(RawPath):
+    """The raw client, then each record's KV bytes copied into the destination (``np.copyto``,
+    as kvstore's load sink does): what a raw client pays to put the bytes where a load puts them,
+    without verifying them. The same connection and records as ``RawPath``."""
+
+    def __init__(self, raw: RawPath, data: Data) -> None:
+        self.client, self.items, self.buffers, self.window = raw.client, raw.items, raw.buffers, raw.window
+        self.dest = data.dest
+        size = data.chunk_bytes
+        # A record's KV bytes sit just before its 8-byte checksum trailer: the copy reads the
+        # same bytes kvstore's sink reads.
+        self.sources = [np.frombuffer(b, dtype=np.uint8)[len(b) - 8 - size:len(b) - 8] for b in raw.buffers]
+
+    def get(self) -> None:
+        super().get()
+        for i, src in enumerate(self.sources):
+            np.copyto(self.dest[i], src)
+
+
 class RawPathSpread(RawPath):
     """The raw client over as many connections as kvstore's RedisStore uses (``connections``,
     4), each with a thread of its own and every n-th record: redis 7.0 without ``maxmemory``
@@ -360,7 +388,8 @@ class RawPathSpread(RawPath):
 class StandaloneRaw:
     """The raw client of ``RawPath`` in a process of its own (no LMCache, none of this script's
     buffers), reading the records ``RawPath`` put: the check that the in-process ceiling runs at
-    the speed of a raw client alone. Each ``get`` returns the seconds the child measured."""
+    the speed of a raw client alone. Each ``get`` returns the
+    seconds and the CPU seconds the child measured."""
 
     _CHILD = """
 import sys, time
@@ -369,12 +398,17 @@ sys.path.insert(0, sys.argv[1])
 from common import raw_get_window
 from kvstore.stores.redis.raw import RawRedis
 port, window, keys, sizes = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), sys.argv[5].split(",")
+import resource
 client = RawRedis(port=port)
 buffers = [memoryview(np.ones(int(n), dtype=np.uint8)) for n in sizes]
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 for _ in sys.stdin:
+    c = cpu()
     t = time.perf_counter()
     raw_get_window(client, keys, buffers, window)
-    print(time.perf_counter() - t, flush=True)
+    print(time.perf_counter() - t, cpu() - c, flush=True)
 """
 
     def __init__(self, port: int, raw: RawPath) -> None:
@@ -384,11 +418,12 @@ for _ in sys.stdin:
                                       str(port), str(raw.window), keys, sizes],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-    def get(self) -> float:
+    def get(self) -> tuple[float, float]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write("get\n")
         self.proc.stdin.flush()
-        return float(self.proc.stdout.readline())
+        wall, cpu = self.proc.stdout.readline().split()
+        return float(wall), float(cpu)
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -397,12 +432,18 @@ for _ in sys.stdin:
 
 
 # -- measuring ----------------------------------------------------------------------------------
+def cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def stats(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
 RAW = "raw zero-copy client"
 RAW4 = "raw zero-copy client, 4 connections"
+RAWC = "raw zero-copy client + copy into the destination"
 KV_CACHE = "kvstore PrefixCache save/load"
 KV_STORE = "kvstore RedisStore put_many/get_many"
 LM_RESP, LM_REDIS = "LMCache resp://", "LMCache redis://"
@@ -419,9 +460,12 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
     ceiling = RawPath(server.port, kv)
     standalone = StandaloneRaw(server.port, ceiling)
     alone_t: list[float] = []
+    alone_cpu = 0.0
     # name: (put, get, lookups {label: fn})
     spread = RawPathSpread(server.port, kv, kv.store.config.connections)
-    paths = {RAW: (ceiling.put, ceiling.get, {}), RAW4: (spread.put, spread.get, {})}
+    copying = RawPathCopy(ceiling, data)
+    paths = {RAW: (ceiling.put, ceiling.get, {}), RAWC: (ceiling.put, copying.get, {}),
+             RAW4: (spread.put, spread.get, {})}
     if peer:
         paths[LM_REDIS] = (lm["redis"].store, lm["redis"].get, {"LMCache redis:// lookup": lm["redis"].lookup})
         paths[LM_RESP] = (lm["resp"].store, lm["resp"].get, {"LMCache resp:// lookup": lm["resp"].lookup})
@@ -429,6 +473,7 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
     paths[KV_STORE] = (kv.put_bare, kv.get_bare, {})
     put_t = {p: [] for p in paths}
     get_t = {p: [] for p in paths}
+    cpu = {p: [0.0, 0.0] for p in paths}  # store, retrieve: CPU seconds over the measured rounds
     look_t: dict[str, list[float]] = {label: [] for _, _, ls in paths.values() for label in ls}
     loads = [os.getloadavg()[0]]
     print(f"\n{name}: {data.n} chunks, {data.nbytes / 2**20:.0f} MiB of KV per op "
@@ -436,9 +481,11 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
     for rep in range(reps + 1):  # rep 0 warms up
         for pname, (put, get, lookups) in paths.items():
             raw.flushall()
+            c = cpu_self()
             t = time.perf_counter()
             put()
             t_put = time.perf_counter() - t
+            c_put = cpu_self() - c
             lk = {}
             for label, fn in lookups.items():
                 lk[label] = []
@@ -446,34 +493,42 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
                     t = time.perf_counter()
                     fn()
                     lk[label].append(time.perf_counter() - t)
+            c = cpu_self()
             t = time.perf_counter()
             get()
             t_get = time.perf_counter() - t
+            c_get = cpu_self() - c
             if pname == RAW:
-                t_alone = standalone.get()  # the same records, right after
+                t_alone, c_alone = standalone.get()  # the same records, right after
                 if rep:
                     alone_t.append(t_alone)
+                    alone_cpu += c_alone
             if rep:
                 put_t[pname].append(t_put)
                 get_t[pname].append(t_get)
+                cpu[pname][0] += c_put
+                cpu[pname][1] += c_get
                 for label, ts in lk.items():
                     look_t[label].extend(ts)
         loads.append(os.getloadavg()[0])
         print(f"  round {rep}{' (warm-up)' if not rep else ''} done, load average {loads[-1]:.2f}", flush=True)
     raw.flushall()
     res = {"paths": {}, "lookups": {}, "loads": loads, "nbytes": data.nbytes, "record_bytes": kv.record_bytes,
-           "standalone": stats([data.nbytes / t / 1e9 for t in alone_t])}
+           "standalone": stats([data.nbytes / t / 1e9 for t in alone_t]), "cpu": {},
+           "standalone_cpu": alone_cpu / (reps * data.nbytes / 1e9)}
     standalone.close()
     a = res["standalone"]
-    print(f"  {'raw zero-copy client, own process':<38} retrieve {a[0]:5.2f} [{a[1]:.2f}-{a[2]:.2f}] GB/s",
-          flush=True)
+    print(f"  {'raw zero-copy client, own process':<38} retrieve {a[0]:5.2f} [{a[1]:.2f}-{a[2]:.2f}] GB/s, "
+          f"{res['standalone_cpu']:.3f} CPU s/GB", flush=True)
     for pname in paths:
         # GB/s of KV moved (10^9 B/s); kvstore's records carry ~1 KiB of header more per chunk.
         res["paths"][pname] = (stats([data.nbytes / t / 1e9 for t in put_t[pname]]),
                                stats([data.nbytes / t / 1e9 for t in get_t[pname]]))
+        res["cpu"][pname] = [c / (reps * data.nbytes / 1e9) for c in cpu[pname]]
         p, g = res["paths"][pname]
-        print(f"  {pname:<38} store {p[0]:5.2f} [{p[1]:.2f}-{p[2]:.2f}]  "
-              f"retrieve {g[0]:5.2f} [{g[1]:.2f}-{g[2]:.2f}] GB/s", flush=True)
+        cp, cg = res["cpu"][pname]
+        print(f"  {pname:<38} store {p[0]:5.2f} [{p[1]:.2f}-{p[2]:.2f}] GB/s {cp:.3f} CPU s/GB  "
+              f"retrieve {g[0]:5.2f} [{g[1]:.2f}-{g[2]:.2f}] GB/s {cg:.3f} CPU s/GB", flush=True)
     for label, ts in look_t.items():
         res["lookups"][label] = stats([t * 1e3 for t in ts])
         m = res["lookups"][label]
@@ -572,15 +627,23 @@ def render(results: dict, reps: int, peer: bool = True, limits: str = "") -> str
                 "| path | store | retrieve |", "|---|---|---|"]
         for pname, (p, g) in res["paths"].items():
             out.append(f"| {pname} | {p[0]:.2f} [{p[1]:.2f}-{p[2]:.2f}] | {g[0]:.2f} [{g[1]:.2f}-{g[2]:.2f}] |")
+        if "cpu" in res:
+            out += ["", "CPU seconds per GB of KV (this process, user+system, every thread), same rounds:", "",
+                    "| path | store CPU s/GB | retrieve CPU s/GB | store CPU x raw | retrieve CPU x raw |",
+                    "|---|---|---|---|---|"]
+            rc = res["cpu"][RAW]
+            for pname, (cp, cg) in res["cpu"].items():
+                out.append(f"| {pname} | {cp:.3f} | {cg:.3f} | {cp / rc[0]:.2f} | {cg / rc[1]:.2f} |")
         if "standalone" in res:
             a, g = res["standalone"], res["paths"][RAW][1]
             out += ["", f"The raw client in a process of its own (no LMCache, no benchmark buffers), reading the same "
                         f"records right after the row above: retrieve {a[0]:.2f} [{a[1]:.2f}-{a[2]:.2f}]; "
-                        f"in-process / own process = {g[0] / a[0]:.2f}."]
+                        f"in-process / own process = {g[0] / a[0]:.2f}"
+                        + (f"; its CPU {res['standalone_cpu']:.3f} s/GB." if "standalone_cpu" in res else ".")]
         out += ["", "Ratios of medians (above 1: the first path is faster):", "",
                 "| path | vs | store | retrieve |", "|---|---|---|---|"]
         for kpath in (KV_CACHE, KV_STORE):
-            for other in (RAW, RAW4, LM_REDIS, LM_RESP):
+            for other in (RAW, RAWC, RAW4, LM_REDIS, LM_RESP):
                 if other not in res["paths"]:
                     continue
                 kp, kg = res["paths"][kpath]
@@ -608,6 +671,11 @@ def summary_lines(results: dict) -> list[str]:
         kp, kg = res["paths"][KV_CACHE]
         rp, rg = res["paths"][RAW]
         line = f"{name}: ratio_to_raw store={kp[0] / rp[0]:.2f} load={kg[0] / rg[0]:.2f}"
+        if "cpu" in res:
+            kc, rc = res["cpu"][KV_CACHE], res["cpu"][RAW]
+            line += f" cpu_per_gb_ratio_to_raw store={kc[0] / rc[0]:.2f} load={kc[1] / rc[1]:.2f}"
+            if RAWC in res["cpu"]:
+                line += f" load_cpu_ratio_to_raw_plus_copy={kc[1] / res['cpu'][RAWC][1]:.2f}"
         if RAW4 in res["paths"]:
             sp, sg = res["paths"][RAW4]
             line += f" ratio_to_raw_4conn store={kp[0] / sp[0]:.2f} load={kg[0] / sg[0]:.2f}"
@@ -651,7 +719,8 @@ def main() -> None:
         doc = {"machine": machine(), "memory": limits, "versions": versions(peer), "reps": args.reps, "chunks": N_CHUNKS,
                "sizes": {name: {"nbytes": r["nbytes"], "loads": r["loads"],
                                 "paths": {p: {"store": list(v[0]), "retrieve": list(v[1])} for p, v in r["paths"].items()},
-                                "lookups_ms": {k: list(v) for k, v in r["lookups"].items()}}
+                                "lookups_ms": {k: list(v) for k, v in r["lookups"].items()},
+                                "cpu_s_per_gb": {p: {"store": v[0], "retrieve": v[1]} for p, v in r["cpu"].items()}}
                          for name, r in results.items()}}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     sys.stdout.flush()

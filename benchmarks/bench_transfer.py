@@ -14,8 +14,10 @@ random ids (``flash-2bnhd`` layout, copied by the CPU kernels). Paths, interleav
   engine-visible     ``save_sequence`` into a TieredStore over the same Redis: what the engine
   save               waits for (the background writer sends afterwards; its flush is not timed)
 
-GB/s = 10^9 bytes of KV per second; median [min-max] of ``--reps`` rounds after a warm-up. The
-last line prints the ratios to the raw client.
+GB/s = 10^9 bytes of KV per second; median [min-max] of ``--reps`` rounds after a warm-up. CPU
+s/GB: this process's user+system time (``getrusage(RUSAGE_SELF)``, every thread) over the timed
+calls, per GB of KV (the redis-server's is not counted). The last line prints the ratios to the
+raw client.
 
     python benchmarks/bench_transfer.py [--reps 7] [--json out.json]
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -52,6 +55,11 @@ LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 256, 2048, 2
 def paged_cache(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+
+
+def cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def main() -> None:
@@ -122,6 +130,7 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
              "engine-visible save (tiered write-behind)": (raw.flushall, engine_save),
              "raw zero-copy GET": (None, raw_get), "kvstore load": (None, kv_load)}
     times: dict[str, list[float]] = {p: [] for p in paths}
+    cpu: dict[str, float] = {p: 0.0 for p in paths}
     loads = [os.getloadavg()[0]]
     for rep in range(args.reps + 1):
         for name, (setup, fn) in paths.items():
@@ -130,13 +139,16 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
                 tiered.flush(60)
             if name == "raw zero-copy GET" or name == "kvstore load":
                 raw_put()  # the records are there to be read
+            c = cpu_self()
             t = time.perf_counter()
             fn()
             dt = time.perf_counter() - t
+            dc = cpu_self() - c
             if name.startswith("engine-visible"):
                 tiered.flush(60)  # untimed: the background writer's part
             if rep:
                 times[name].append(dt)
+                cpu[name] += dc
         loads.append(os.getloadavg()[0])
     raw.close()
     tiered.close()
@@ -146,17 +158,21 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
     med = {p: statistics.median(r) for p, r in rates.items()}
     print(f"\nLoad average while measuring: {min(loads):.2f}-{max(loads):.2f}; GB/s of KV, median [min-max] "
           f"of {args.reps}\n")
-    print("| path | GB/s | ratio to raw |")
-    print("|---|---|---|")
+    cpu_gb = {p: c / (args.reps * kv_bytes / 1e9) for p, c in cpu.items()}
+    print("| path | GB/s | ratio to raw | CPU s/GB | CPU ratio to raw |")
+    print("|---|---|---|---|---|")
     for p, r in rates.items():
-        base = med["raw zero-copy GET"] if "load" in p or "GET" in p else med["raw zero-copy SET"]
-        print(f"| {p} | {med[p]:.2f} [{r[0]:.2f}-{r[-1]:.2f}] | {med[p] / base:.2f} |")
+        base = "raw zero-copy GET" if "load" in p or "GET" in p else "raw zero-copy SET"
+        print(f"| {p} | {med[p]:.2f} [{r[0]:.2f}-{r[-1]:.2f}] | {med[p] / med[base]:.2f} | {cpu_gb[p]:.3f} | "
+              f"{cpu_gb[p] / cpu_gb[base]:.2f} |")
     save_ratio = med["kvstore save (sync RedisStore)"] / med["raw zero-copy SET"]
     load_ratio = med["kvstore load"] / med["raw zero-copy GET"]
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "loads": loads, "kv_bytes": kv_bytes,
-                                               "rates": rates}, indent=1))
-    print(f"\nratio_to_raw save={save_ratio:.2f} load={load_ratio:.2f}")
+                                               "rates": rates, "cpu_s_per_gb": cpu_gb}, indent=1))
+    print(f"\nratio_to_raw save={save_ratio:.2f} load={load_ratio:.2f}; CPU per GB ratio to raw "
+          f"save={cpu_gb['kvstore save (sync RedisStore)'] / cpu_gb['raw zero-copy SET']:.2f} "
+          f"load={cpu_gb['kvstore load'] / cpu_gb['raw zero-copy GET']:.2f}")
 
 
 if __name__ == "__main__":
