@@ -29,7 +29,7 @@ from kvstore.events import END_SEQ, EventsConfig, KVEventPublisher, encode_batch
 from kvstore.events.publisher import _binds, _offset_port
 from kvstore.events.redis_watch import RedisRemovalWatcher
 from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, block_hash
-from kvstore.keys import Namespace, chunk_keys
+from kvstore.keys import Namespace, chunk_keys, prefix_keys
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.stores.file import FileConfig, FileStore
 from kvstore.stores.memory import MemoryConfig, MemoryStore
@@ -243,8 +243,21 @@ def test_announcements_stop_before_a_non_text_input_and_carry_the_salt(tmp_path)
         (event,) = sub.until(lambda ev: len(ev) >= 1)
         sub.close()
     assert event.block_hashes == [k.digest for k in keys[:2]] and event.extra_keys == [("tenant-a",), None]
-    with pytest.raises(ValueError, match="first chunk"):
+    with pytest.raises(ValueError, match="lack chunk 0"):
         pub.stored(keys[1:], tokens, "REDIS")
+
+
+def test_prefix_keys_with_partial_chunks_between(tmp_path):
+    tokens = list(range(100))
+    keys = prefix_keys(NS, tokens, [10, 40, 64, 90])  # P(0:10) F(0:32) P(32:40) F(32:64) P(64:90)
+    assert [k.partial for k in keys] == [True, False, True, False, True]
+    with KVEventPublisher(_config(tmp_path)) as pub:
+        sub = Subscriber(pub)
+        assert pub.stored(keys, tokens, "CPU", first=2) == 1  # F(32:64), its parent F(0:32)
+        (event,) = sub.until(lambda ev: len(ev) >= 1)
+        sub.close()
+    assert event.parent_block_hash == block_hash(keys[1].digest, "int")
+    assert event.block_hashes == [block_hash(keys[3].digest, "int")] and event.token_ids == tokens[32:64]
 
 
 def test_the_array_form_on_the_wire(tmp_path):

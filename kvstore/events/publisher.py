@@ -235,28 +235,39 @@ class KVEventPublisher:
                until: int | None = None, cache_salt: str = "", lora_name: str | None = None) -> int:
         """Announce that ``keys[first:]`` are now stored in ``medium``; how many blocks it announces.
 
-        ``keys`` are a prompt's chunk keys from its first chunk on (what ``PrefixCache.save`` was
-        given) and ``tokens`` its token ids; ``first`` the index in ``keys`` of the first chunk
-        written (its parent is ``keys[first - 1]``). Only full chunks are announced, and only those
-        ending at or before ``until`` (the first non-text input's offset: after it, equal tokens
-        do not mean equal KV, and a router keys by tokens). ``cache_salt`` goes into the first
-        chunk's ``extra_keys`` (map form), as vLLM does.
+        ``keys`` are a prompt's chunk keys (what ``PrefixCache.save`` was given: ``chunk_keys``,
+        or ``prefix_keys`` with partial chunks between the full ones) and ``tokens`` its token
+        ids; ``first`` the index in ``keys`` of the first chunk written. Announced: the full
+        chunks of ``keys[first:]``, in chain order up to the first gap, ending at or before
+        ``until`` (the first non-text input's offset: after it, equal tokens do not mean equal
+        KV, and a router keys by tokens); their parent is the full chunk before the first, which
+        ``keys`` must hold unless that is the prompt's first chunk (``ValueError``). ``cache_salt``
+        goes into the first chunk's ``extra_keys`` (map form), as vLLM does.
         """
         if first < 0 or first > len(keys):
             raise ValueError(f"first={first} is outside the {len(keys)} keys")
-        if keys and keys[0].index != 0:
-            raise ValueError(f"keys start at chunk {keys[0].index}; give the prompt's keys from its first chunk")
-        chosen = [k for k in keys[first:] if not k.partial and (until is None or k.end <= until)]
+        chosen: list[ChunkKey] = []
+        for k in keys[first:]:
+            if k.partial:
+                continue
+            if (until is not None and k.end > until) or (chosen and k.index != chosen[-1].index + 1):
+                break
+            chosen.append(k)
         if not chosen:
             return 0
+        parent: bytes | None = None
+        if chosen[0].index > 0:
+            before = next((k for k in keys[:first] if not k.partial and k.index == chosen[0].index - 1), None)
+            if before is None:
+                raise ValueError(f"the keys lack chunk {chosen[0].index - 1}, the parent of the first chunk written")
+            parent = before.digest
         arr = tokens_to_array(tokens)
         if arr.shape[0] < chosen[-1].end:
             raise ValueError(f"tokens hold {arr.shape[0]} ids; the keys cover {chosen[-1].end}")
         # Only copies here (the engine's thread); hashes are converted and events encoded in the
         # publisher's thread, as vLLM's publish() only queues.
-        item = _Stored(tuple(k.digest for k in chosen), keys[first - 1].digest if first else None,
-                       arr[chosen[0].start:chosen[-1].end].copy(), chosen[0].num_tokens, medium, lora_name,
-                       cache_salt if chosen[0].index == 0 else "")
+        item = _Stored(tuple(k.digest for k in chosen), parent, arr[chosen[0].start:chosen[-1].end].copy(),
+                       chosen[0].num_tokens, medium, lora_name, cache_salt if chosen[0].index == 0 else "")
         return len(chosen) if self._put(item) else 0
 
     def removed(self, keys: Iterable[str], medium: str) -> int:
