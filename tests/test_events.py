@@ -28,7 +28,7 @@ from kvstore.errors import ConfigError
 from kvstore.events import END_SEQ, EventsConfig, KVEventPublisher, encode_batch, medium_of, mediums
 from kvstore.events.publisher import _binds, _offset_port
 from kvstore.events.redis_watch import RedisRemovalWatcher
-from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, block_hash
+from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, block_digests, block_hash
 from kvstore.keys import Namespace, chunk_keys, prefix_keys
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.stores.file import FileConfig, FileStore
@@ -258,6 +258,32 @@ def test_prefix_keys_with_partial_chunks_between(tmp_path):
         sub.close()
     assert event.parent_block_hash == block_hash(keys[1].digest, "int")
     assert event.block_hashes == [block_hash(keys[3].digest, "int")] and event.token_ids == tokens[32:64]
+
+
+def test_chunks_as_engine_blocks(tmp_path):
+    """blocks_per_chunk=2: each 32-token chunk is two 16-token blocks (the engine's block_size),
+    the last named by the chunk's digest; a removal names both."""
+    tokens = list(range(64))
+    keys = chunk_keys(NS, tokens)
+    store = MemoryStore(MemoryConfig(max_bytes=3_000))
+    with KVEventPublisher(_config(tmp_path, blocks_per_chunk=2)) as pub:
+        pub.watch(store)
+        sub = Subscriber(pub)
+        assert pub.stored(keys, tokens, "CPU") == 4
+        (event,) = sub.until(lambda ev: len(ev) >= 1)
+        store.put(keys[0].key, bytes(2_000))
+        store.put(keys[1].key, bytes(2_000))  # evicts chunk 0
+        (removed,) = sub.until(lambda ev: len(ev) >= 1)
+        sub.close()
+    names = [block_hash(b, "int") for k in keys for b in block_digests(k.digest, 2)]
+    assert event.block_size == 16 and event.block_hashes == names and event.token_ids == tokens
+    assert names[1] == block_hash(keys[0].digest, "int") and names[3] == block_hash(keys[1].digest, "int")
+    assert removed.block_hashes == names[:2]
+    with pytest.raises(ConfigError, match="blocks_per_chunk=0"):
+        EventsConfig(blocks_per_chunk=0)
+    with KVEventPublisher(_config(tmp_path, blocks_per_chunk=3)) as pub, \
+            pytest.raises(ValueError, match="do not split into blocks_per_chunk=3"):
+        pub.stored(keys, tokens, "CPU")
 
 
 def test_the_array_form_on_the_wire(tmp_path):

@@ -24,7 +24,9 @@ What is announced: ``stored`` announces the *full* chunks of a save (a partial l
 leaf no router can extend, as vLLM announces only full blocks), one ``BlockStored`` per call,
 block = chunk (``block_size`` = chunk tokens, block hash = the chunk's digest,
 ``parent_block_hash`` = the previous chunk's), with the chunks' tokens so an indexer can key
-them without any GPU event. ``watch`` turns a store's own evictions (memory, file and shm LRU)
+them without any GPU event. With ``blocks_per_chunk`` > 1 each chunk is announced as that many
+equal blocks (``wire.block_digests``: the last named by the chunk's digest), so a router that
+indexes the engine's block size sees engine-sized blocks. ``watch`` turns a store's own evictions (memory, file and shm LRU)
 into ``BlockRemoved``, and, with ``redis=True``, Redis's evicted and expired keys
 (``kvstore.events.redis_watch``).
 """
@@ -48,6 +50,7 @@ from kvstore.events.wire import (
     BlockRemoved,
     BlockStored,
     Event,
+    block_digests,
     block_hash,
     encode_batch,
 )
@@ -103,6 +106,9 @@ class EventsConfig:
     max_queue_size: int = option(100_000, lo=1, hi=10_000_000,
                                  help="Calls queued for the publishing thread at most; beyond, events are dropped.")
     data_parallel_rank: int = option(0, lo=0, hi=65_535, help="Written into every batch; shifts the TCP ports.")
+    blocks_per_chunk: int = option(1, lo=1, hi=4096,
+                                   help="Blocks each chunk is announced as (block_size = chunk_tokens / this; "
+                                        "chunk_tokens / block_size gives the engine's blocks).")
     batch_interval: float = option(0.05, kind="duration", lo=0.0, hi=1.0,
                                    help="Batches are sent at most this often; events meanwhile share one.")
 
@@ -261,14 +267,18 @@ class KVEventPublisher:
             if before is None:
                 raise ValueError(f"the keys lack chunk {chosen[0].index - 1}, the parent of the first chunk written")
             parent = before.digest
+        per = self.config.blocks_per_chunk
+        if chosen[0].num_tokens % per:
+            raise ValueError(f"chunks of {chosen[0].num_tokens} tokens do not split into blocks_per_chunk={per} "
+                             "equal blocks")
         arr = tokens_to_array(tokens)
         if arr.shape[0] < chosen[-1].end:
             raise ValueError(f"tokens hold {arr.shape[0]} ids; the keys cover {chosen[-1].end}")
         # Only copies here (the engine's thread); hashes are converted and events encoded in the
         # publisher's thread, as vLLM's publish() only queues.
         item = _Stored(tuple(k.digest for k in chosen), parent, arr[chosen[0].start:chosen[-1].end].copy(),
-                       chosen[0].num_tokens, medium, lora_name, cache_salt if chosen[0].index == 0 else "")
-        return len(chosen) if self._put(item) else 0
+                       chosen[0].num_tokens // per, medium, lora_name, cache_salt if chosen[0].index == 0 else "")
+        return len(chosen) * per if self._put(item) else 0
 
     def removed(self, keys: Iterable[str], medium: str) -> int:
         """Announce that the store keys ``keys`` left ``medium``; foreign keys are skipped. How many
@@ -393,18 +403,20 @@ class KVEventPublisher:
                 last.extend(item.digests)
             else:
                 merged.append([item.medium, *item.digests] if isinstance(item, _Removed) else item)
-        hf = self.config.hash_format
+        hf, per = self.config.hash_format, self.config.blocks_per_chunk
         out: list[Event | bytes] = []
         for item in merged:
             if isinstance(item, _Stored):
-                self._count("blocks_stored", len(item.digests))
-                extra = [(item.salt,), *([None] * (len(item.digests) - 1))] if item.salt else None
-                out.append(BlockStored([block_hash(d, hf) for d in item.digests],
+                hashes = [block_hash(b, hf) for d in item.digests for b in block_digests(d, per)]
+                self._count("blocks_stored", len(hashes))
+                extra = [(item.salt,), *([None] * (len(hashes) - 1))] if item.salt else None
+                out.append(BlockStored(hashes,
                                        None if item.parent is None else block_hash(item.parent, hf),
                                        item.tokens, item.block_size, item.medium, item.lora_name, extra))
             elif isinstance(item, list):
-                self._count("blocks_removed", len(item) - 1)
-                out.append(BlockRemoved([block_hash(d, hf) for d in item[1:]], item[0]))
+                hashes = [block_hash(b, hf) for d in item[1:] for b in block_digests(d, per)]
+                self._count("blocks_removed", len(hashes))
+                out.append(BlockRemoved(hashes, item[0]))
             else:
                 out.append(AllBlocksCleared())
         return out

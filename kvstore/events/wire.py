@@ -21,13 +21,16 @@ are left at their defaults):
 * ``BlockRemoved``: ``block_hashes``, ``medium``.
 * ``AllBlocksCleared``: no fields.
 
-A block hash is an unsigned 64-bit integer (``"int"``: what vLLM publishes by default,
+A block is a chunk, or with ``blocks`` > 1 (``block_digests``) an equal part of one (an engine
+block: routers that index one block size per model need the engine's). A block hash is an
+unsigned 64-bit integer (``"int"``: what vLLM publishes by default,
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``: the digest's low 64 bits, big-endian) or the digest's
 bytes (``"bytes"``), ``HASH_FORMATS``.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +39,7 @@ import msgpack
 import numpy as np
 
 __all__ = ["ENCODINGS", "HASH_FORMATS", "BlockStored", "BlockRemoved", "AllBlocksCleared", "Event", "block_hash",
-           "encode_batch", "encode_event"]
+           "block_digests", "encode_batch", "encode_event"]
 
 ENCODINGS = ("map", "array")
 HASH_FORMATS = ("int", "bytes")
@@ -69,6 +72,16 @@ class AllBlocksCleared:
 
 
 Event = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+def block_digests(digest: bytes, blocks: int) -> list[bytes]:
+    """The names of a chunk's ``blocks`` blocks, in order: the last is the chunk's own digest (so
+    the next chunk's parent is the digest it chains from), the others derived from it, so a
+    removal, which knows only the chunk's key, names them all."""
+    if blocks == 1:
+        return [digest]
+    return [hashlib.sha256(b"kvstore-block\x00" + digest + j.to_bytes(4, "big")).digest()[:len(digest)]
+            for j in range(blocks - 1)] + [digest]
 
 
 def block_hash(digest: bytes, hash_format: str) -> BlockHash:
