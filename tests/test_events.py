@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from kvstore.events.redis_watch import RedisRemovalWatcher
 from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, block_digests, block_hash
 from kvstore.keys import Namespace, chunk_keys, prefix_keys
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.stores import open_store
 from kvstore.stores.file import FileConfig, FileStore
 from kvstore.stores.memory import MemoryConfig, MemoryStore
 from kvstore.stores.redis import RedisStore
@@ -321,6 +324,25 @@ def test_file_store_lru_is_announced(tmp_path):
     gone = {block_hash(bytes.fromhex(k.rsplit("/", 1)[1]), "int") for k in keys if not store.exists(k)}
     assert removed and removed == gone
     assert all(e.medium == "DISK" for e in events)
+
+
+def test_shm_store_lru_is_announced(tmp_path):
+    name = f"test-events-{uuid.uuid4().hex[:12]}"
+    keys = _record_keys(10, "shm")
+    try:
+        with open_store(f"shm://{name}?max_bytes=4MiB&low_water=0.5") as store, \
+                KVEventPublisher(_config(tmp_path)) as pub:
+            assert medium_of(store) == "CPU_SHARED"
+            pub.watch(store)
+            sub = Subscriber(pub)
+            for key in keys:
+                store.put(key, bytes(1 << 20))
+            events = sub.until(lambda ev: len(_hashes(ev)) >= 1)
+            sub.close()
+            gone = {block_hash(bytes.fromhex(k[-32:]), "int") for k in keys if not store.exists(k)}
+        assert set(_hashes(events)) <= gone and {e.medium for e in events} == {"CPU_SHARED"}
+    finally:
+        shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True)
 
 
 def test_memory_store_lru_is_announced_and_unwatch_stops_it(tmp_path):
