@@ -262,7 +262,7 @@ class Pieces:
         """Write the value's bytes to the start of ``out``."""
         pos = 0
         for part in self.stream():
-            out[pos:pos + len(part)] = part
+            copy_bytes(out[pos:pos + len(part)], part)  # the GIL released for each large slice
             pos += len(part)
 
     def retain(self) -> Pieces:
