@@ -38,6 +38,11 @@ bytes to place (``load``'s sink). Its promises:
   counts the longer of the spaces' stored prefixes (one more round trip per tier and previous
   key), a load continues in a previous space from the first chunk the current one lacks, and
   the next save covering chunks loaded from there re-signs them into the current space.
+* **Announcements.** With an event sink (``announce``: ``kvstore.events``' publisher of KV
+  events for routers), every save that reached the store announces the full chunks it wrote,
+  once per medium given (the store's tiers: a background-written tier is announced when the
+  save is accepted). Only text is announced: chunks from the first multimodal input on are not
+  (a router keys blocks by token ids). A sink's failure never fails a save.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
 from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
@@ -58,6 +64,9 @@ from kvstore.record.auth import RecordAuth, TagKeys
 from kvstore.record.codecs import resolve_chain
 from kvstore.stores.base import Store
 from kvstore.types import Buffer
+
+if TYPE_CHECKING:
+    from kvstore.events import EventSink
 
 __all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "stored_by_tier"]
 
@@ -158,6 +167,8 @@ class PrefixCache:
         if itemsize is None:
             raise ConfigError(f"kv_dtype={namespace.kv_dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
         self.chain = resolve_chain(codec, itemsize)
+        self._events: EventSink | None = None
+        self._event_mediums: tuple[str, ...] = ()
         # Chunks to rewrite (oldest first): True where a load rejected the record ("Healing"),
         # False where it took the chunk from a previous key's space ("Key spaces").
         self._rewrite: OrderedDict[str, bool] = OrderedDict()
@@ -183,6 +194,10 @@ class PrefixCache:
                       for space in older]
             keys = [replace(k, previous=tuple(space[i] for space in spaces)) for i, k in enumerate(keys)]
         return keys
+
+    def announce(self, sink: EventSink | None, mediums: Sequence[str] = ()) -> None:
+        """Announce every later save to ``sink`` (None: stop), as stored in each of ``mediums``."""
+        self._events, self._event_mediums = sink, tuple(mediums)
 
     def in_space(self, namespace: Namespace) -> Namespace:
         """``namespace`` in this cache's key space (what every key, load and save here uses)."""
@@ -317,7 +332,7 @@ class PrefixCache:
         neither, every chunk is written. A chunk whose record a load of this cache rejected is
         written in any case, and so is every chunk after it (module docstring: "Healing").
         ``payload`` is called only for chunks written. ``spans``: the non-text inputs ``keys``
-        were made with (needed only when they were hashed in another key space).
+        were made with (they re-key chunks hashed in another key space, and end announcements).
         """
         ns = self.in_space(namespace or self.namespace)
         if not keys:
@@ -365,6 +380,8 @@ class PrefixCache:
             for record in made:
                 record.release()
         items = made
+        if items and self._events is not None:
+            self._announce(keys, arr, first, spans, ns)
         if items and self.count_tokens:
             metrics.TOKENS_SAVED.inc(keys[-1].end - keys[first].start)
         if rewrite is not None and items:
@@ -373,6 +390,17 @@ class PrefixCache:
                 metrics.HEALS.inc(len(keys) - heal)
         metrics.LATENCY.observe(time.perf_counter() - start, op="save")
         return len(items)
+
+    def _announce(self, keys: Sequence[ChunkKey], tokens: TokenIds, first: int, spans: Sequence[InputSpan],
+                  ns: Namespace) -> None:
+        sink, until = self._events, min((s.offset for s in spans), default=None)
+        if sink is None:
+            return
+        try:
+            for medium in self._event_mediums:
+                sink.stored(keys, tokens, medium, first=first, until=until, cache_salt=ns.cache_salt)
+        except Exception:  # announcing is best effort: the save itself succeeded
+            log.warning("announcing a save to the KV event sink failed", exc_info=True)
 
     def _stored_prefix(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading ``keys`` are stored (a save's pre-check: counted apart from lookups)."""

@@ -222,12 +222,13 @@ def test_a_save_is_announced_with_tokens_and_parents(tmp_path):
     keys = cache.keys(tokens)
     with KVEventPublisher(_config(tmp_path)) as pub:
         sub = Subscriber(pub)
-        # the hook PrefixCache.save would run after its put_many: the chunks from the first written
+        cache.announce(pub, mediums(store))  # each save announces the chunks it wrote
         assert cache.save(tokens, keys[:2], _payload) == 2
-        assert pub.stored(keys[:2], tokens, medium_of(store)) == 2
-        assert cache.save(tokens, keys, _payload) == 2  # chunk 2 and the partial one
-        assert pub.stored(keys, tokens, "CPU", first=2) == 1  # the partial chunk is not announced
+        assert cache.save(tokens, keys, _payload) == 2  # chunk 2 and the partial one (not announced)
         events = sub.until(lambda ev: len(ev) >= 2)
+        cache.announce(None)
+        assert cache.save(tokens[:96], cache.keys(tokens[:96]), _payload, skip_stored=False) == 3
+        assert sub.drain(wait=0.3) == []  # no longer announced
         sub.close()
     first, second = events
     assert first.block_hashes == [block_hash(k.digest, "int") for k in keys[:2]]
@@ -235,6 +236,36 @@ def test_a_save_is_announced_with_tokens_and_parents(tmp_path):
     assert first.token_ids == tokens[:64].tolist()
     assert second.block_hashes == [block_hash(keys[2].digest, "int")]
     assert second.parent_block_hash == first.block_hashes[-1] and second.token_ids == tokens[64:96].tolist()
+
+
+def test_a_sink_that_fails_never_fails_a_save(caplog):
+    class Broken:
+        def stored(self, *args: Any, **kwargs: Any) -> int:
+            raise RuntimeError("sink down")
+
+    store = MemoryStore()
+    cache = PrefixCache(store, NS)
+    cache.announce(Broken(), ["CPU"])
+    tokens = list(range(64))
+    assert cache.save(tokens, cache.keys(tokens), _payload) == 2 and len(list(store.iter_keys())) == 2
+    assert "announcing a save" in caplog.text
+
+
+def test_a_prompt_with_an_image_is_announced_up_to_the_image(tmp_path):
+    from kvstore.keys import InputSpan
+
+    tokens = list(range(128))
+    image = InputSpan(70, 20, "image-a", "image")
+    store = MemoryStore()
+    cache = PrefixCache(store, NS)
+    with KVEventPublisher(_config(tmp_path)) as pub:
+        sub = Subscriber(pub)
+        cache.announce(pub, ["CPU"])
+        keys = cache.keys(tokens, spans=[image])
+        assert cache.save(tokens, keys, _payload, spans=[image]) == 4
+        (event,) = sub.until(lambda ev: len(ev) >= 1)
+        sub.close()
+    assert event.block_hashes == [block_hash(k.digest, "int") for k in keys[:2]]  # chunks 0-1 end by 64 <= 70
 
 
 def test_announcements_stop_before_a_non_text_input_and_carry_the_salt(tmp_path):
@@ -432,3 +463,30 @@ def test_missed_batches_are_replayed(tmp_path):
     assert [seq for seq, _ in got] == [2, 3, 4]
     assert [b.events[0].block_hashes for _, b in got] == [[block_hash(keys[i].digest, "int")] for i in (2, 3, 4)]
     assert int.from_bytes(oldest, "big") == 1  # buffer_steps=4 keeps batches 1..4
+
+
+def test_the_vllm_connector_announces_its_saves_in_engine_blocks(tmp_path):
+    """kv_events_endpoint: TP rank 0's worker publishes what it saves, each chunk of 64 tokens as
+    two of the engine's 32-token blocks, and closes the publisher with the worker."""
+    pytest.importorskip("vllm")
+    from test_vllm_unit import BS, SYNC, alloc, ask, facts, fake_request, make_connector, paged, run_worker, step
+
+    store, f = MemoryStore(), facts()
+    events = {"kv_events_endpoint": f"ipc://{tmp_path}/engine.sock", **SYNC}
+    sched, work = make_connector("scheduler", store, f, **events), make_connector("worker", store, f, **events)
+    work.register_kv_caches(paged("cpu"))
+    publisher = work.worker.events
+    assert publisher is not None and publisher.config.blocks_per_chunk == 64 // BS
+    sub = Subscriber(publisher)
+    tokens = list(range(1000, 1300))
+    req = fake_request("a", tokens)
+    assert ask(sched, req, 0) == (0, False)
+    blocks = list(range(10))
+    alloc(sched, req, blocks, 0)
+    run_worker(work, step(sched, req, blocks, computed=0, scheduled=300, new=True))
+    stored = sub.until(lambda ev: sum(len(e.block_hashes) for e in ev) >= 8)  # 4 whole chunks of 64
+    sub.close()
+    assert all(e.block_size == BS and e.medium == "CPU" for e in stored)
+    assert [t for e in stored for t in e.token_ids] == tokens[:256]
+    work.worker.close()
+    assert publisher._closed

@@ -139,6 +139,8 @@ class EngineFacts:
     #: the processor cache both off it names them by a per-request counter instead, which would
     #: give two images one identity across engines: their prompts then bypass the cache.
     mm_hashed: bool = True
+    #: This engine's data-parallel rank (KV events shift their ports by it, as vLLM's do).
+    data_parallel_rank: int = 0
 
     @property
     def kv_groups(self) -> tuple[KVGroup, ...]:
@@ -274,6 +276,7 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         groups=tuple(groups),
         vllm_release="{}.{}".format(*vllm_minor(vllm.__version__)),
         mm_hashed=_mm_content_hashed(vllm_config),
+        data_parallel_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from kvstore.config import build, check_options, option
 from kvstore.connectors.options import chunk_tokens_option, codec_option, store_option
 from kvstore.errors import ConfigError
+from kvstore.events import ENCODINGS, EventsConfig
 from kvstore.record.auth import (
     RecordAuth,
     key_env_option,
@@ -101,9 +102,32 @@ class VLLMConnectorOptions:
         "prompt's last hittable end and before the first chunk end at or past every multiple of this many "
         "tokens (0: the prompt's end only), so prompts that share a long prefix hit at the last such end "
         "before they differ; what such a group stores per prompt is its window times the number of those ends.")
+    kv_events_endpoint: str = option(
+        "", help="Publish KV events for routers (docs/routing.md): BlockStored for what this engine saves, "
+        "BlockRemoved for its tiers' evictions, in vLLM's wire format on this ZMQ PUB address (e.g. "
+        "tcp://*:5557; TP rank 0 publishes; needs kvstore-llm[events]). Empty: no events.")
+    kv_events_replay_endpoint: str = option(
+        "", help="ZMQ ROUTER address (bound) that replays buffered event batches from a sequence number, "
+        "as vLLM's replay socket does (e.g. tcp://*:5558). Empty: no replay.")
+    kv_events_topic: str = option("kvstore", help="First frame of every event message (llm-d: kv@<pod>@<model>).")
+    kv_events_encoding: str = option(
+        "map", choices=ENCODINGS, help="Event form: 'map' (vLLM 0.26 and later, what current routers decode) or "
+        "'array' (positional, vLLM up to 0.23).")
+    kv_events_blocks_per_chunk: int = option(
+        0, lo=0, hi=4096, help="Blocks each saved chunk is announced as; 0: chunk_tokens / the engine's block "
+        "size, so routers that index one block size per model see the engine's blocks.")
     auth_key_file: str = key_file_option()
     auth_key_env: str = key_env_option()
     auth_previous_window: float = previous_window_option()
+
+    def events_config(self, block_size: int, data_parallel_rank: int = 0) -> EventsConfig | None:
+        """The KV-event publisher's options (None without ``kv_events_endpoint``)."""
+        if not self.kv_events_endpoint:
+            return None
+        per = self.kv_events_blocks_per_chunk or max(1, self.chunk_tokens // block_size)
+        return EventsConfig(endpoint=self.kv_events_endpoint, replay_endpoint=self.kv_events_replay_endpoint,
+                            topic=self.kv_events_topic, encoding=self.kv_events_encoding, blocks_per_chunk=per,
+                            data_parallel_rank=data_parallel_rank)
 
     def record_auth(self) -> RecordAuth | None:
         """The deployment's record keys (None without a key), loaded once per process."""
@@ -118,6 +142,13 @@ class VLLMConnectorOptions:
         if not 0 <= self.lookup_wait <= self.lookup_timeout:
             raise ConfigError(f"lookup_wait={self.lookup_wait:g}s must be between 0 and lookup_timeout="
                               f"{self.lookup_timeout:g}s")
+        if self.kv_events_blocks_per_chunk and self.chunk_tokens % self.kv_events_blocks_per_chunk:
+            raise ConfigError(f"kv_events_blocks_per_chunk={self.kv_events_blocks_per_chunk} must divide "
+                              f"chunk_tokens={self.chunk_tokens} (0: the engine's blocks)")
+        if self.kv_events_endpoint or self.kv_events_replay_endpoint:
+            if not self.kv_events_endpoint:
+                raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint (the PUB address)")
+            self.events_config(self.chunk_tokens)  # the addresses' checks, at start-up
 
 
 def parse_options(extra: Mapping[str, Any] | None) -> VLLMConnectorOptions:

@@ -47,6 +47,7 @@ from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec,
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.connectors.vllm.plan import blocks_for, failed_blocks, window_chunks, window_start
 from kvstore.errors import ConfigError
+from kvstore.events import KVEventPublisher, mediums
 from kvstore.keys import ChunkKey
 from kvstore.metrics.catalog import SAVE_DROPS
 from kvstore.paged import KVTransfer, dtype_name, slots_from_block_table
@@ -131,6 +132,8 @@ class WorkerSide:
         self._tainted_reqs: dict[str, int] = {}
         self._tainted_blocks: dict[int, int] = {}
         self.measure = WorkerMeasurements(store)
+        self._events_config = opts.events_config(facts.block_size, facts.data_parallel_rank) if tp_rank == 0 else None
+        self.events: KVEventPublisher | None = None
         self._closed = False
         _live.add(self)
 
@@ -168,11 +171,25 @@ class WorkerSide:
             self.transfers.append(KVTransfer(cache, layers, layout))
             self._loaders.append(KVTransfer(cache, layers, layout))
             self._savers.append(KVTransfer(cache, layers, layout))
+            if counts and self._events_config is not None and self.events is None:
+                self._publish_events(cache)
         self.measure = WorkerMeasurements(self.store, cuda=caches[0].is_cuda)  # CUDA events time the forward
         log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, KV cache groups %s, namespace %s, "
                  "load %s, save %s", self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
                  self._layouts[0].name, [f"{g.kind}:{len(g.layers)}" for g in self.groups], self.namespaces[0].id,
                  self.opts.load_mode, self.opts.save_mode)
+
+    def _publish_events(self, cache: PrefixCache) -> None:
+        """KV events for routers (``kv_events_endpoint``): rank 0 announces the saves of the first
+        group that stores every chunk (one announcement per prompt; other ranks' and groups' keys
+        name the same prefix) and every tier's evictions (Redis: its keyspace notifications)."""
+        assert self._events_config is not None
+        self.events = KVEventPublisher(self._events_config)
+        self.events.watch(self.store, redis=True)
+        cache.announce(self.events, mediums(self.store))
+        log.info("KVStoreConnector (worker %d): KV events on %s (replay %s), topic %r, %s form, %d blocks per chunk",
+                 self.tp_rank, self.events.endpoint, self.events.replay_endpoint or "off",
+                 self._events_config.topic, self._events_config.encoding, self._events_config.blocks_per_chunk)
 
     def close(self) -> None:
         """Stop loading; finish the queued gathers (at most ``flush_timeout``). Idempotent."""
@@ -202,6 +219,8 @@ class WorkerSide:
                 SAVE_DROPS.inc(lost, reason="shutdown")
                 log.warning("KVStoreConnector: %d saves still queued after flush_timeout=%gs were dropped",
                             lost, self.opts.flush_timeout)
+        if self.events is not None:
+            self.events.close()  # after the saves: what they announced is sent
 
     # -- load --------------------------------------------------------------------------------------
     def step_begins(self, meta: KVStoreConnectorMetadata) -> None:
