@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
+from kvstore.buffers import BufferPool, Lease, Pieces, copy_bytes, default_pool
 from kvstore.config import build
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import BYTES_READ, BYTES_WRITTEN
@@ -283,7 +283,7 @@ class TieredStore(Store):
         if isinstance(value, Pieces):
             value.copy_into(lease.view)
         else:
-            lease.view[:] = memoryview(value).cast("B")
+            copy_bytes(lease.view, value)  # with the GIL released for large values
         return Pieces([lease.view], owner=lease)
 
     def delete(self, key: str) -> bool:
@@ -354,9 +354,11 @@ class TieredStore(Store):
 
 def _lease_of(value: Value | Pieces, pool: BufferPool) -> Lease:
     """A value still queued for a tier, as a lease the reader owns (a copy: the queue keeps its own)."""
-    lease = pool.lease(len(value)) or Lease(None, bytearray(len(value)), len(value))
+    lease = pool.lease(len(value))
+    if lease is None:  # not `or`: a lease of 0 bytes is falsy, and its pool bytes would leak
+        lease = Lease(None, bytearray(len(value)), len(value))
     if isinstance(value, Pieces):
         value.copy_into(lease.view)
     else:
-        lease.view[:] = memoryview(value).cast("B")
+        copy_bytes(lease.view, value)  # with the GIL released for large values
     return lease
