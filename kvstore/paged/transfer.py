@@ -7,8 +7,8 @@ slots) it saves chunks through a ``PrefixCache`` and loads the longest stored pr
   pinned on CUDA), which becomes the record's payload as it is: the header goes beside it and
   the store sends both pieces (a background writer keeps the lease until the bytes are out).
 * Load: records arrive in leased pool buffers, are verified in place, and are scattered into the
-  paged cache straight from there (on an accelerator: one host-to-device copy from the pinned
-  buffer on a side stream).
+  paged cache straight from there (on an accelerator: one host-to-device copy of the record's
+  bytes from the pinned buffer they arrived in, on a side stream, then the scatter on the device).
 
 The copy path is chosen once, when the transfer is built: the numpy kernels for CPU caches, the
 layout's torch copies on an accelerator.
@@ -16,6 +16,7 @@ layout's torch copies on an accelerator.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -264,6 +265,10 @@ class KVTransfer:
         # On the CPU, straight from the record's bytes (numpy items have no alignment needs).
         if self._host is not None and host_copy(self._host, slots, np.frombuffer(kv, dtype=np.uint8), True, skip):
             return
+        view = memoryview(kv)
+        if self.on_cuda and not view.readonly:
+            self._scatter_bytes(slots, view, skip)
+            return
         host, lease = self._host_staging(n)
         try:
             # Copy into our staging first: record bytes are not necessarily 8-byte aligned.
@@ -272,6 +277,25 @@ class KVTransfer:
         finally:
             if lease is not None:
                 lease.release()
+
+    def _scatter_bytes(self, slots: torch.Tensor, kv: memoryview, skip: int) -> None:
+        """The record's bytes to the device in one copy, straight from the buffer they arrived in
+        (a pinned pool lease: a DMA, no host copy; copied as bytes, so the payload's alignment in
+        the record does not matter), then the layout's scatter from device staging. On the side
+        stream on CUDA; runs on any device (the CPU tests run it)."""
+        n = slots.numel()
+        dev = self._device_staging(n)
+        src = torch.frombuffer(kv, dtype=torch.uint8)
+        stream = self._stream
+        if stream is not None:  # as in _gather: the compute stream's queued work on these blocks comes first
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            dev.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
+            for layer, cache in enumerate(self.kv_caches):
+                rows = self._token_rows(dev[layer], n, skip) if skip else dev[layer]
+                self.layout.scatter(cache, slots[skip:], rows)
+        if stream is not None:
+            stream.synchronize()  # the lease is released after this returns
 
     def _scatter_staged(self, slots: torch.Tensor, host: torch.Tensor, skip: int) -> None:
         n = slots.numel()
