@@ -32,6 +32,7 @@ from kvstore.events.publisher import _binds, _offset_port
 from kvstore.events.redis_watch import RedisRemovalWatcher
 from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, block_digests, block_hash
 from kvstore.keys import Namespace, chunk_keys, prefix_keys
+from kvstore.metrics.catalog import KV_EVENT_DROPS, KV_EVENTS
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.stores import open_store
 from kvstore.stores.file import FileConfig, FileStore
@@ -222,10 +223,12 @@ def test_a_save_is_announced_with_tokens_and_parents(tmp_path):
     keys = cache.keys(tokens)
     with KVEventPublisher(_config(tmp_path)) as pub:
         sub = Subscriber(pub)
+        published = KV_EVENTS.value(event="BlockStored")
         cache.announce(pub, mediums(store))  # each save announces the chunks it wrote
         assert cache.save(tokens, keys[:2], _payload) == 2
         assert cache.save(tokens, keys, _payload) == 2  # chunk 2 and the partial one (not announced)
         events = sub.until(lambda ev: len(ev) >= 2)
+        assert KV_EVENTS.value(event="BlockStored") == published + 2  # counted for the dashboard
         cache.announce(None)
         assert cache.save(tokens[:96], cache.keys(tokens[:96]), _payload, skip_stored=False) == 3
         assert sub.drain(wait=0.3) == []  # no longer announced
@@ -490,3 +493,16 @@ def test_the_vllm_connector_announces_its_saves_in_engine_blocks(tmp_path):
     assert [t for e in stored for t in e.token_ids] == tokens[:256]
     work.worker.close()
     assert publisher._closed
+
+
+def test_a_full_queue_drops_announcements_and_counts_them(tmp_path):
+    """The engine's thread never waits on the publisher: past ``max_queue_size`` queued calls an
+    announcement is dropped, counted for the dashboard."""
+    key = chunk_keys(NS, list(range(32)))[0].key
+    with KVEventPublisher(_config(tmp_path, max_queue_size=1, batch_interval=1.0)) as pub:
+        pub.cleared()  # sent at once; the next batch may go only a second later
+        time.sleep(0.2)
+        dropped = KV_EVENT_DROPS.total()
+        assert pub.removed([key], "CPU") == 1  # queued: the thread waits out the interval
+        assert pub.removed([key], "CPU") == 0  # the queue is full: dropped, not waited for
+        assert KV_EVENT_DROPS.total() == dropped + 1 and pub.stats()["dropped"] == 1

@@ -55,6 +55,7 @@ from kvstore.events.wire import (
     encode_batch,
 )
 from kvstore.keys import ChunkKey, TokenIds, split_key, tokens_to_array
+from kvstore.metrics.catalog import KV_EVENT_DROPS, KV_EVENTS
 from kvstore.stores.base import Evicting, Store
 
 __all__ = ["EventsConfig", "EventSink", "KVEventPublisher", "MEDIUMS", "medium_of", "mediums", "END_SEQ"]
@@ -340,6 +341,7 @@ class KVEventPublisher:
             return False
         if len(self._queue) >= self.config.max_queue_size:
             self._count("dropped")
+            KV_EVENT_DROPS.inc()
             return False
         self._queue.append(item)
         if not self._wake.is_set():
@@ -431,6 +433,8 @@ class KVEventPublisher:
         with self._stats_lock:
             self._stats["batches"] += 1
             self._stats["events"] += len(events)
+        for event in events:
+            KV_EVENTS.inc(event=type(event).__name__)
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()

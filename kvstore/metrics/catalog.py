@@ -46,6 +46,12 @@ __all__ = [
 LOOKUPS = REGISTRY.counter("kvstore_lookups_total", "Prefix lookups asked before a load (not saves' pre-checks).")
 SAVE_CHECKS = REGISTRY.counter("kvstore_save_checks_total",
                                "Lookups a save made to skip chunks already stored (saves told where to start make none).")
+KV_EVENTS = REGISTRY.counter("kvstore_kv_events_total",
+                             "KV events published for routers (kvstore.events), by event (BlockStored, "
+                             "BlockRemoved, AllBlocksCleared).", ("event",))
+KV_EVENT_DROPS = REGISTRY.counter("kvstore_kv_events_dropped_total",
+                                  "Announcements the KV-event publisher dropped: its queue was full (a router then "
+                                  "misses those blocks until it resyncs).")
 ROUTER_LOOKUPS = REGISTRY.counter("kvstore_router_lookups_total",
                                   "Router lookups answered (POST /v1/lookup), by HTTP status; not engine lookups.",
                                   ("status",))
