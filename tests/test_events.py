@@ -29,7 +29,7 @@ msgspec = pytest.importorskip("msgspec")
 from kvstore.errors import ConfigError
 from kvstore.events import END_SEQ, EventsConfig, KVEventPublisher, encode_batch, medium_of, mediums
 from kvstore.events.publisher import _binds, _offset_port
-from kvstore.events.redis_watch import RedisRemovalWatcher
+from kvstore.events.redis_watch import RedisRemovalWatcher, watch_store
 from kvstore.events.wire import AllBlocksCleared, BlockRemoved, BlockStored, block_digests, block_hash
 from kvstore.keys import Namespace, chunk_keys, prefix_keys
 from kvstore.metrics.catalog import KV_EVENT_DROPS, KV_EVENTS
@@ -506,3 +506,42 @@ def test_a_full_queue_drops_announcements_and_counts_them(tmp_path):
         assert pub.removed([key], "CPU") == 1  # queued: the thread waits out the interval
         assert pub.removed([key], "CPU") == 0  # the queue is full: dropped, not waited for
         assert KV_EVENT_DROPS.total() == dropped + 1 and pub.stats()["dropped"] == 1
+
+
+def test_every_primary_of_a_redis_cluster_is_watched(redis_cluster):
+    """Keyspace notifications are a node's own: one watcher per primary, each announcing the
+    expiries of the keys its node holds."""
+    redis_cluster.flushall()
+    removed: list[str] = []
+
+    class Sink:
+        def removed(self, keys, medium):
+            removed.extend(keys)
+            return len(keys)
+
+    store = open_store(redis_cluster.url)
+    watchers = watch_store(store, Sink())
+    try:
+        assert sorted(w.config.hosts[0][1] for w in watchers) == sorted(redis_cluster.ports)
+        assert all(w.subscribed.wait(10) for w in watchers)
+        for node in redis_cluster.nodes:
+            with node.client() as c:
+                c.config_set("notify-keyspace-events", "Ex")
+        keys = _record_keys(12, "cluster")
+        for key in keys:
+            store.put(key, b"x")
+        with redis_cluster.nodes[0].client() as c:  # the keys are spread over the 3 primaries
+            assert 0 < c.dbsize() < len(keys)
+        client = store._redis  # expire them where they live (kvstore itself sets no TTL here)
+        for key in keys:
+            client.pexpire(key, 50)
+        deadline = time.monotonic() + 10
+        while set(removed) != set(keys) and time.monotonic() < deadline:
+            for key in keys:
+                client.exists(key)  # an access deletes an expired key at once
+            time.sleep(0.1)
+        assert set(removed) == set(keys)
+    finally:
+        for w in watchers:
+            w.close()
+        store.close()

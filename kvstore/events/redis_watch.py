@@ -10,8 +10,9 @@ to ``__keyevent@<db>__:evicted`` and ``__keyevent@<db>__:expired`` on one server
 every kvstore key (the store's ``prefix`` stripped) as ``BlockRemoved``. Notifications are
 fire-and-forget: what happens while the watcher is disconnected is lost (it reconnects and logs
 it), so a router may keep a removed block until it misses on it. A sharded store has one watcher
-per server (``watch_store``); a Redis Cluster needs one per primary node (``RedisRemovalWatcher``
-on each node's ``redis://`` URL), since each node notifies only of its own keys.
+per server (``watch_store``), a Redis Cluster one per primary (listed from the cluster's slot map
+when the watchers start; a primary promoted later is not watched until they start again), since
+each node notifies only of its own keys.
 
 Needs ``redis`` (the ``kvstore-llm[redis]`` extra), imported when a watcher starts.
 """
@@ -141,8 +142,24 @@ def watch_store(store: Store, sink: _Removals, *, medium: str = "REDIS") -> list
         raise ConfigError(f"{store!r} is not a Redis store; removals can be watched on redis:// and "
                           "redis+shards:// stores")
     if config.cluster:
-        log.warning("Redis Cluster %s: removals are not watched (start a RedisRemovalWatcher per primary node)",
-                    config.safe_url())
+        hosts = _cluster_primaries(store, config)
+        if not hosts:
+            return []
+        single = dataclasses.replace(config, cluster=False)
+    else:
+        hosts = list(config.hosts if not config.unix_path else config.hosts[:1])
+        single = config
+    return [RedisRemovalWatcher(dataclasses.replace(single, hosts=(host,)), sink, medium=medium) for host in hosts]
+
+
+def _cluster_primaries(store: Store, config: RedisConfig) -> list[tuple[str, int]]:
+    """The primaries of a Redis Cluster store, each watched on its own (keyspace notifications are
+    a node's own). A primary promoted later (a failover) is not watched until the watchers start
+    again: its removals are missed, never wrong."""
+    try:
+        client = store._redis  # type: ignore[attr-defined]  # the cluster store's client: the current slot map
+        return [(node.host, int(node.port)) for node in client.get_primaries()]
+    except Exception as exc:  # noqa: BLE001 - an unreachable cluster: nothing to watch now, said once
+        log.warning("Redis Cluster %s: removals are not watched (its primaries could not be listed: %s)",
+                    config.safe_url(), exc)
         return []
-    return [RedisRemovalWatcher(dataclasses.replace(config, hosts=(host,)), sink, medium=medium)
-            for host in (config.hosts if not config.unix_path else config.hosts[:1])]
