@@ -200,7 +200,7 @@ class ShmStore(FileStore):
         return freed
 
     # -- reads -------------------------------------------------------------------------------
-    def _open(self, path: Path) -> int | None:
+    def _open(self, path: str | Path) -> int | None:
         try:
             return os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -208,13 +208,13 @@ class ShmStore(FileStore):
         except OSError as exc:
             raise StoreUnavailableError(f"shm store read {path} failed: {exc}") from exc
 
-    def _touch(self, path: Path) -> None:
+    def _touch(self, path: str | Path) -> None:
         try:
             os.utime(path)  # LRU clock for eviction
         except OSError:
             pass  # evicted meanwhile: the value read is still whole
 
-    def _mapping(self, key: str, path: Path) -> memoryview | int | None:
+    def _mapping(self, key: str, path: str | Path) -> memoryview | int | None:
         """``key``'s record as a view of a mapping if it is ``map_bytes`` or larger (the cached
         one while the file is the same), else an open descriptor; None on a miss."""
         try:
@@ -255,7 +255,7 @@ class ShmStore(FileStore):
             got += n
 
     def get(self, key: str) -> Value | None:  # type: ignore[override]  # FileStore's is bytes only
-        path = self._path(key)
+        path = self._file(key)
         try:
             found = self._mapping(key, path)
             if not isinstance(found, int):
@@ -304,7 +304,7 @@ class ShmStore(FileStore):
             return self._hash_pool
 
     def _lease(self, key: str, pool: BufferPool) -> Lease | None:
-        path = self._path(key)
+        path = self._file(key)
         try:
             found = self._mapping(key, path)
             if found is None or isinstance(found, memoryview):
@@ -332,7 +332,7 @@ class ShmStore(FileStore):
         return super().delete(key)
 
     def exists(self, key: str) -> bool:
-        return os.path.exists(self._path(key))
+        return os.path.exists(self._file(key))
 
     def close(self) -> None:
         """Give up this process's temporary directory (the records stay: other processes share them)."""
