@@ -171,7 +171,7 @@ class WorkerSide:
             self.transfers.append(KVTransfer(cache, layers, layout))
             self._loaders.append(KVTransfer(cache, layers, layout))
             self._savers.append(KVTransfer(cache, layers, layout))
-            if counts and self._events_config is not None and self.events is None:
+            if counts and group.every_chunk and self._events_config is not None and self.events is None:
                 self._publish_events(cache)
         self.measure = WorkerMeasurements(self.store, cuda=caches[0].is_cuda)  # CUDA events time the forward
         log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, KV cache groups %s, namespace %s, "
@@ -182,7 +182,9 @@ class WorkerSide:
     def _publish_events(self, cache: PrefixCache) -> None:
         """KV events for routers (``kv_events_endpoint``): rank 0 announces the saves of the first
         group that stores every chunk (one announcement per prompt; other ranks' and groups' keys
-        name the same prefix) and every tier's evictions (Redis: its keyspace notifications)."""
+        name the same prefix; a model of sliding windows only announces nothing, its chunks
+        being no chain a router could follow) and every tier's evictions (Redis: its keyspace
+        notifications)."""
         assert self._events_config is not None
         self.events = KVEventPublisher(self._events_config)
         self.events.watch(self.store, redis=True)
