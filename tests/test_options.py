@@ -36,7 +36,7 @@ from kvstore.stores.tiered.config import QUEUE_MEMORY_FRACTION, available_memory
     ("redis://h?retries=1.5", "retries"), ("redis://h?max_connections=0", "max_connections"),
     ("memory://?max_bytes=1e400", "max_bytes"), ("memory://?max_bytes=2PiB", "max_bytes"),
     ("memory://?max_bytes=1e30", "max_bytes"), ("file:///tmp/kvstore-x?max_bytes=inf", "max_bytes"),
-    ("file:///tmp/kvstore-x%00y", "not usable"),
+    ("file:///tmp/kvstore-x%00y", "holds the control character"),
     ("s3://b/p?timeout=0", "timeout"), ("s3://b/p?deadline=1e999", "deadline"), ("s3://b/p?retries=11", "retries"),
     ("s3://b/p?max_workers=100000", "max_workers"), ("s3://b/p?endpoint_url=http://h:99999", "endpoint_url"),
     ("s3://b/p?endpoint_url=http://[::1", "endpoint_url"), ("s3://b%20c/p", "bucket"),

@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
 from kvstore.buffers import STREAM_SLICE, ArrivalDigest, BufferPool, Lease, Pieces, byte_view, lease_or_fresh
-from kvstore.config import build, option, query_options
+from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.metrics.catalog import EVICTIONS
 from kvstore.stores.base import Evicting, LeaseStream, Store, WriteValue
@@ -40,13 +40,13 @@ _STALE_TMP_SECONDS = 3600.0
 @dataclass(frozen=True)
 class FileConfig:
     path: str = option(help="Directory holding the records (created if missing).")
-    max_bytes: int = option(10 << 30, kind="size", help="Capacity; least recently used files are evicted beyond it (0: unbounded).")
-    low_water: float = option(0.9, help="Eviction frees space down to this fraction of max_bytes.")
+    max_bytes: int = option(10 << 30, kind="size", lo=0, hi=1 << 50,
+                            help="Capacity; least recently used files are evicted beyond it (0: unbounded).")
+    low_water: float = option(0.9, lo=0.01, hi=1.0, help="Eviction frees space down to this fraction of max_bytes.")
     fsync: bool = option(False, help="fsync each file before renaming it into place (durable across power loss).")
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.low_water <= 1.0:
-            raise ConfigError(f"low_water={self.low_water} must be in (0, 1]")
+        check_options(self)  # the path without control characters, every number within its range
 
     @classmethod
     def from_url(cls, url: str) -> FileConfig:

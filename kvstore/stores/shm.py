@@ -48,7 +48,7 @@ from urllib.parse import urlsplit
 import xxhash
 
 from kvstore.buffers import SELF_CHECK_BYTES, BufferPool, Lease, borrow
-from kvstore.config import build, option, query_options
+from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Value
 from kvstore.stores.file import FileConfig, FileStore
@@ -62,13 +62,13 @@ _ORPHAN_SECONDS = 60.0  # a writer directory without its lock file (a reaper tha
 @dataclass(frozen=True)
 class ShmConfig:
     name: str = option(help="The tier's name: every process that opens the same name shares it.")
-    max_bytes: int = option(4 << 30, kind="size",
+    max_bytes: int = option(4 << 30, kind="size", lo=1, hi=1 << 44,
                             help="Capacity, shared by every process; least recently used values are evicted beyond it.")
-    low_water: float = option(0.9, help="Eviction frees space down to this fraction of max_bytes.")
-    map_bytes: int = option(1 << 20, kind="size",
+    low_water: float = option(0.9, lo=0.01, hi=1.0, help="Eviction frees space down to this fraction of max_bytes.")
+    map_bytes: int = option(1 << 20, kind="size", lo=0, hi=1 << 40,
                             help="Values at least this large are read as views of a memory mapping (no copy); "
                                  "smaller ones are copied into the reader's buffers.")
-    map_cache: int = option(1 << 30, kind="size",
+    map_cache: int = option(1 << 30, kind="size", lo=0, hi=1 << 44,
                             help="Mappings of large records each process keeps for its next reads (no page "
                                  "faults when a prefix is loaded again); a mapping of a record since evicted or "
                                  "overwritten holds its memory until dropped from here. 0: map on every read.")
@@ -79,10 +79,7 @@ class ShmConfig:
         if not _NAME.match(self.name):
             raise ConfigError(f"shm:// name {self.name!r} is not usable; accepted: 1 to 100 of A-Z a-z 0-9 . _ -, "
                               "not starting with a dot")
-        if self.max_bytes <= 0:
-            raise ConfigError(f"max_bytes={self.max_bytes}: a shared memory tier must be bounded (more than 0)")
-        if not 0.0 < self.low_water <= 1.0:
-            raise ConfigError(f"low_water={self.low_water} must be in (0, 1]")
+        check_options(self)  # every number within its range (a shared memory tier is bounded), no control characters
         if not os.path.isabs(self.root):
             raise ConfigError(f"root={self.root!r} must be an absolute path")
 
