@@ -118,6 +118,8 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=8)
     parser.add_argument("--only", default="redis,file,s3")
     parser.add_argument("--json")
+    parser.add_argument("--saves", action="store_true",
+                        help="measure saves into one redis-server instead of loads (see save_paths)")
     args = parser.parse_args()
     print(machine(), flush=True)
     print(f"memory: {memory_limits()}", flush=True)
@@ -128,6 +130,15 @@ def main() -> None:
     tokens = (np.arange(TOKENS * args.chunks, dtype=np.uint32) * 7919 + 11) % 32000
     nbytes = kv.nbytes
     results = {}
+    if args.saves:
+        with Backend("redis") as b:
+            store = open_store(b.url)
+            load = Load(store, args.chunks, dest, kv, tokens)
+            results["redis saves"] = measure("redis saves", save_paths(b, store, load, kv), nbytes, args.reps)
+            store.close()
+        if args.json:
+            Path(args.json).write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
+        return
     for backend in args.only.split(","):
         with Backend(backend) as b:
             store = open_store(b.url)
@@ -151,6 +162,41 @@ def main() -> None:
             store.close()
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
+
+
+def save_paths(b: Backend, store: Store, load: Load, kv: np.ndarray) -> dict[str, Callable[[], None]]:
+    """Saves of the same records into one redis-server, every chunk written each time:
+
+      raw                 the raw client's pipelined SETs of the encoded records (bytes ready)
+      raw + copy          the same after copying each chunk's KV into a resident buffer first
+                          (the gather a CPU engine does out of its paged cache)
+      kvstore save        PrefixCache.save of KV already resident (a CUDA engine's: the device
+                          gathers, and a DMA lands the bytes in a pinned lease): encode the header,
+                          hash the record as it is sent, send
+      kvstore save + copy the same with each chunk copied into a pool lease first (a CPU engine's)
+    """
+    client = RawRedis(port=b._server.port)
+    records = [bytes(v) for v in store.get_many([k.key for k in load.keys])]
+    staged = np.empty_like(kv)
+    cache = PrefixCache(store, load.ns)
+
+    def raw() -> None:
+        client.set_many(zip([k.key for k in load.keys], records))
+
+    def raw_copy() -> None:
+        np.copyto(staged, kv)
+        raw()
+
+    def save(copy: bool) -> Callable[[], None]:
+        def fn() -> None:
+            if copy:
+                np.copyto(staged, kv)
+            source = staged if copy else kv
+            assert cache.save(load.tokens, load.keys, lambda c: ChunkPayload(shapes=load.shapes, kv=source[c.index]),
+                              skip_stored=False) == load.n
+        return fn
+
+    return {"raw": raw, "raw + copy": raw_copy, "kvstore save": save(False), "kvstore save + copy": save(True)}
 
 
 def measure(backend: str, paths: dict[str, Callable[[], None]], nbytes: int, reps: int) -> dict:
