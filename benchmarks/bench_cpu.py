@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -50,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import machine, memory_limits, raw_get_window
+from common import cpu_self, machine, memory_limits, raw_get_window
 
 from kvstore.buffers import BufferPool
 from kvstore.keys import Namespace
@@ -78,11 +77,6 @@ class GenericRead(WrapperStore):
 
     def get_into(self, keys, pool: BufferPool) -> LeaseStream:
         return Store.get_into(self.inner, keys, pool)
-
-
-def cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 class Load:

@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -94,7 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import machine, memory_limits, raw_get_window
+from common import cpu_self, machine, memory_limits, raw_get_window
 
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import Namespace
@@ -395,20 +394,16 @@ class StandaloneRaw:
 import sys, time
 import numpy as np
 sys.path.insert(0, sys.argv[1])
-from common import raw_get_window
+from common import cpu_self, raw_get_window
 from kvstore.stores.redis.raw import RawRedis
 port, window, keys, sizes = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(","), sys.argv[5].split(",")
-import resource
 client = RawRedis(port=port)
 buffers = [memoryview(np.ones(int(n), dtype=np.uint8)) for n in sizes]
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 for _ in sys.stdin:
-    c = cpu()
+    c = cpu_self()
     t = time.perf_counter()
     raw_get_window(client, keys, buffers, window)
-    print(time.perf_counter() - t, cpu() - c, flush=True)
+    print(time.perf_counter() - t, cpu_self() - c, flush=True)
 """
 
     def __init__(self, port: int, raw: RawPath) -> None:
@@ -432,11 +427,6 @@ for _ in sys.stdin:
 
 
 # -- measuring ----------------------------------------------------------------------------------
-def cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def stats(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import machine
+from common import cpu_self, machine
 
 from kvstore.buffers import BufferPool
 from kvstore.stores.redis import ShardedRedisStore
@@ -58,11 +57,6 @@ proxies = [ShapedProxy(int(t), delay=float(delay), rate=float(rate)) for t in ta
 print(" ".join(str(p.port) for p in proxies), flush=True)
 sys.stdin.read()
 """
-
-
-def cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def main() -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -50,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import machine, memory_limits, raw_get_window
+from common import cpu_self, machine, memory_limits, raw_get_window
 
 from kvstore.keys import Namespace
 from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
@@ -68,11 +67,6 @@ WINDOW = 64 << 20  # the raw client's GETs requested ahead: kvstore's own budget
 def paged_cache(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-
-
-def cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def cpu_of(pid: int) -> float:

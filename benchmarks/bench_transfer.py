@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import machine, memory_limits
+from common import cpu_self, machine, memory_limits
 
 from kvstore.keys import Namespace
 from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
@@ -55,11 +54,6 @@ LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 256, 2048, 2
 def paged_cache(seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
-
-
-def cpu_self() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 
 
 def main() -> None:
