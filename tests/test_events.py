@@ -439,6 +439,21 @@ def test_the_watcher_names_missing_notification_flags(redis_server, caplog):
 
 
 # -- replay ---------------------------------------------------------------------------------------
+def replayed(sock: Any, start: int, topic: bytes = b"kvstore") -> list[tuple[int, Any]]:
+    """A replay asked on the DEALER ``sock`` from sequence ``start``: ``(seq, batch)`` decoded by
+    vLLM's own classes, up to the end marker (vLLM's framing checked on every message)."""
+    sock.send_multipart([b"", start.to_bytes(8, "big")])
+    got = []
+    while True:
+        assert sock.poll(10_000), "no replay answer"
+        empty, got_topic, seq, payload = sock.recv_multipart()
+        if seq == END_SEQ:
+            assert (empty, got_topic, payload) == (b"", b"", b"")
+            return got
+        assert (empty, got_topic) == (b"", topic)
+        got.append((int.from_bytes(seq, "big"), vllm_batch_decoder().decode(payload)))
+
+
 def test_missed_batches_are_replayed(tmp_path):
     tokens = list(range(32 * 5))
     keys = chunk_keys(NS, tokens)
@@ -450,16 +465,7 @@ def test_missed_batches_are_replayed(tmp_path):
                 time.sleep(0.01)
         replay = zmq.Context.instance().socket(zmq.DEALER)
         replay.connect(pub.replay_endpoint)
-        replay.send_multipart([b"", (2).to_bytes(8, "big")])
-        got = []
-        while True:
-            assert replay.poll(10_000), "no replay answer"
-            empty, topic, seq, payload = replay.recv_multipart()
-            if seq == END_SEQ:
-                assert (empty, topic, payload) == (b"", b"", b"")
-                break
-            assert (empty, topic) == (b"", b"kvstore")
-            got.append((int.from_bytes(seq, "big"), vllm_batch_decoder().decode(payload)))
+        got = replayed(replay, 2)
         replay.send_multipart([b"", (0).to_bytes(8, "big")])  # older than the buffer: what is kept
         oldest = replay.recv_multipart()[2]
         replay.close(linger=0)

@@ -14,24 +14,13 @@ pytestmark = pytest.mark.vllm
 
 def _replay(endpoint: str) -> list:
     """Every buffered batch's events, from sequence 0, as vLLM's decoder reads them."""
-    import msgspec
     import zmq
-    from vllm.distributed.kv_events import KVEventBatch
+    from test_events import replayed
 
-    from kvstore.events import END_SEQ
-
-    decoder = msgspec.msgpack.Decoder(KVEventBatch)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(endpoint)
     try:
-        sock.send_multipart([b"", (0).to_bytes(8, "big")])
-        events = []
-        while True:
-            assert sock.poll(10_000), "no replay answer"
-            _, _, seq, payload = sock.recv_multipart()
-            if seq == END_SEQ:
-                return events
-            events += decoder.decode(payload).events
+        return [event for _, batch in replayed(sock, 0) for event in batch.events]
     finally:
         sock.close(linger=0)
 
