@@ -97,7 +97,7 @@ class FileStore(Evicting, Store):
         return f"{self._data_dir}/{shard}/{name}"
 
     def get(self, key: str) -> bytes | None:
-        path = self._path(key)
+        path = self._file(key)
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -116,7 +116,7 @@ class FileStore(Evicting, Store):
         within ``_LEASE_WAIT``) and hashed as it lands (``Lease.digest``); one file open at a
         time, in key order."""
         for key in keys:
-            path = self._path(key)
+            path = self._file(key)
             try:
                 lease = _read_into(path, pool)
             except OSError as exc:
@@ -274,7 +274,7 @@ class FileStore(Evicting, Store):
 _LEASE_WAIT = 0.05  # a read waits this long for a pool buffer, then reads into a fresh one
 
 
-def _read_into(path: Path, pool: BufferPool) -> Lease | None:
+def _read_into(path: str, pool: BufferPool) -> Lease | None:
     """The whole file at ``path`` in a lease of ``pool`` with its ``digest`` set (None if there is
     no such file), read in ``STREAM_SLICE`` slices, each hashed while it is in the CPU's cache. A
     file is never rewritten in place (writes rename a whole new file over it), so the size the
