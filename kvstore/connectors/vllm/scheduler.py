@@ -348,9 +348,6 @@ class SchedulerSide:
         request = self._requests.get(req_id)
         if not self.do_save or request is None or request.prompt_token_ids is None:
             return
-        spans = input_spans(request, content_hashed=self._mm_hashed)
-        if spans is None:  # bypassed (get_num_new_matched_tokens counted it)
-            return
         prompt = request.prompt_token_ids
         # With save_decode, generated tokens join the chain: all_token_ids is the prompt and what
         # was sampled so far (the last sampled token's KV is computed by the step that feeds it).
@@ -360,7 +357,9 @@ class SchedulerSide:
         done = self._saved_upto.get(req_id, 0)
         ends = save_ends(len(prompt), after, done, chunk_tokens=self.opts.chunk_tokens,
                          block_size=self.block_size, save_partial=self.opts.save_partial_chunks, num_tokens=known)
-        if ends:
+        # Read the multimodal inputs only for a step that saves (most decode steps do not).
+        spans = input_spans(request, content_hashed=self._mm_hashed) if ends else None
+        if spans is not None:  # None: nothing to save, or bypassed (get_num_new_matched_tokens counted it)
             top = max(ends)
             source = prompt if top <= len(prompt) or tokens is None else tokens
             used = blocks_for(top, self.block_size)
