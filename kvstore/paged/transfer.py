@@ -32,7 +32,7 @@ from kvstore.paged.layouts import PagedLayout, get_layout
 from kvstore.paged.tensors import dtype_name, tensor_bytes
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.record import Record
-from kvstore.types import Buffer
+from kvstore.types import Buffer, array_view
 
 __all__ = ["KVTransfer"]
 
@@ -269,11 +269,18 @@ class KVTransfer:
         if self.on_cuda and not view.readonly:
             self._scatter_bytes(slots, view, skip)
             return
+        # Staged first: torch's CPU copies need the record's bytes typed and aligned, and torch
+        # cannot wrap read-only memory (a memory tier's value) for the device copy.
         host, lease = self._host_staging(n)
         try:
-            # Copy into our staging first: record bytes are not necessarily 8-byte aligned.
-            np.copyto(host.view(-1).view(torch.uint8).numpy(), np.frombuffer(kv, dtype=np.uint8))
-            self._scatter_staged(slots, host, skip)
+            staged = host.view(-1).view(torch.uint8)
+            np.copyto(staged.numpy(), np.frombuffer(kv, dtype=np.uint8))
+            if self.on_cuda:
+                self._scatter_bytes(slots, array_view(staged.numpy()), skip)
+                return
+            for layer, cache in enumerate(self.kv_caches):
+                rows = self._token_rows(host[layer], n, skip) if skip else host[layer]
+                self.layout.scatter(cache, slots[skip:], rows.to(self.device))
         finally:
             if lease is not None:
                 lease.release()
@@ -296,27 +303,4 @@ class KVTransfer:
                 self.layout.scatter(cache, slots[skip:], rows)
         if stream is not None:
             stream.synchronize()  # the lease is released after this returns
-
-    def _scatter_staged(self, slots: torch.Tensor, host: torch.Tensor, skip: int) -> None:
-        n = slots.numel()
-        if skip:  # the chunk's first tokens are already in the cache: write only the rest
-            for layer, cache in enumerate(self.kv_caches):
-                self.layout.scatter(cache, slots[skip:], self._token_rows(host[layer], n, skip).to(self.device))
-            if self.on_cuda:
-                torch.cuda.current_stream(self.device).synchronize()
-            return
-        if not self.on_cuda:
-            for layer, cache in enumerate(self.kv_caches):
-                self.layout.scatter(cache, slots, host[layer])
-            return
-        dev = self._device_staging(n)
-        # As in _gather: work already queued on the compute stream (on these blocks, or on the
-        # memory the allocator just handed ``dev``) must finish before the side stream writes.
-        assert self._stream is not None  # built with the transfer on CUDA
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            dev.copy_(host, non_blocking=True)
-            for layer, cache in enumerate(self.kv_caches):
-                self.layout.scatter(cache, slots, dev[layer])
-        self._stream.synchronize()  # the host staging is released next
 
