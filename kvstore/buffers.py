@@ -247,8 +247,8 @@ class Pieces:
                 continue
             for pos in range(0, len(part), slice_bytes):
                 piece = part[pos:pos + slice_bytes]
-                sealing.update(piece)
                 yield piece
+                sealing.update(piece)  # after the consumer's send or copy: from the CPU's cache
         trailer = sealing.finish()
         if len(trailer) != seal.nbytes:
             raise AssertionError(f"seal made a {len(trailer)}-byte trailer, it announced {seal.nbytes}")

@@ -91,7 +91,7 @@ def test_a_record_corrupted_in_the_store_is_rejected_with_the_arrival_digest(bac
     shm_name = f"digest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     url = {"s3": s3_server.url_for("corrupt", part_size="1MiB", deadline="20s"), "redis": redis_server.url,
            "shards": f"redis+shards://127.0.0.1:{redis_server.port}", "file": f"file://{tmp_path}",
-           "shm": f"shm://{shm_name}?max_bytes=64MiB"}[backend]  # mapped reads, hashed one ahead
+           "shm": f"shm://{shm_name}?max_bytes=64MiB"}[backend]  # mapped reads, hashed by the reader
     try:
         _corrupt_and_load(url)
     finally:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -86,6 +87,10 @@ class KVTransfer:
         self._dev_buf: torch.Tensor | None = None
         # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
         self._host = host_layers([self.layout.host_layer(c) for c in self.kv_caches]) if self.device.type == "cpu" else None
+        # A CPU cache's copies are safe from several threads (distinct slots) and release the GIL:
+        # records are verified and placed two at a time (``PrefixCache.load``'s workers). The
+        # device path keeps one: its staging and stream are the transfer's own.
+        self._placers = min(2, os.cpu_count() or 1) if self.device.type == "cpu" else 1
         # torch leaves torch.cuda.Stream's constructor unannotated.
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
 
@@ -241,7 +246,7 @@ class KVTransfer:
                                  shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace,
                                  hidden_dtype=dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype)
                                  else hidden_dtype,
-                                 hidden_shape=hidden_shape)
+                                 hidden_shape=hidden_shape, workers=self._placers)
         if self.on_cuda:
             assert self._stream is not None  # built with the transfer on CUDA
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
