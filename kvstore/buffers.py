@@ -55,7 +55,7 @@ DEFAULT_POOL_BYTES = 1 << 30
 _ALIGN = 1 << 16  # buffers are sized in 64 KiB steps: a record's header varies by a few KiB
 _PAGE = 4096
 #: ``Pieces.stream`` hands sealed parts out in slices this large: small enough that a slice the
-#: seal has just read is still in the CPU's cache when the consumer sends or copies it.
+#: consumer has just sent or copied is still in the CPU's cache when the seal reads it.
 STREAM_SLICE = 1 << 20
 #: The size of a self-checked value's trailing xxh3-64 (see the module docstring).
 SELF_CHECK_BYTES = 8
@@ -198,8 +198,8 @@ class Pieces:
 
     With a ``seal`` the value ends with a trailer of ``seal.nbytes`` bytes computed from the parts
     it covers. Consumers that send or copy the value read it through ``stream()``, which feeds
-    each slice to the seal right before handing it out, so the trailer costs no pass over memory
-    of its own. ``parts`` (every part, the trailer included) and ``trailer()`` compute the
+    each slice to the seal right after the consumer has used it, so the trailer costs no pass
+    over memory of its own. ``parts`` (every part, the trailer included) and ``trailer()`` compute the
     trailer first if no stream has finished yet. Every pass computes the same bytes, so streams
     may be restarted (a retried send) or run in several threads at once.
     """
@@ -235,7 +235,8 @@ class Pieces:
 
     def stream(self, slice_bytes: int = STREAM_SLICE) -> Iterator[memoryview | bytes]:
         """The value's bytes as buffers to send or copy in order, the trailer last; sealed parts
-        come in slices of at most ``slice_bytes``, each fed to the seal just before it is yielded."""
+        come in slices of at most ``slice_bytes``, each fed to the seal once the consumer asks for the
+        next one (it has sent or copied this one: the seal reads it from the CPU's cache)."""
         seal = self._seal
         if seal is None or self._trailer is not None:
             yield from self.parts
