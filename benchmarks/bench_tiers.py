@@ -19,7 +19,11 @@ then each round loads it through every path in turn:
                          buffers, verified, scattered into the paged cache) over a RedisStore
   shards x2, x3          the same over ``redis+shards://`` of 2 and 3 redis-servers
   shm                    the same over ``shm://`` (/dev/shm): records verified and scattered
-                         straight from their mapping
+                         straight from their mapping, two at a time (the CPU default)
+  shm, 1 placer          the same with one record at a time (``KVTransfer(placers=1)``)
+  scatter only           the copy alone of every chunk's KV bytes from resident buffers into
+                         the paged cache (``kernels.host_copy``, one thread): what placing the
+                         bytes costs before anything is read or verified
 
 All redis-servers run on this machine: with 2 cores, 2 or 3 servers plus the client are bound by
 the CPU, not by the servers' count (each server needs about a core per GB/s of GETs), so shards
@@ -53,6 +57,7 @@ from common import cpu_self, machine, memory_limits, raw_get_window
 
 from kvstore.keys import Namespace
 from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
+from kvstore.paged.kernels import host_copy, host_layers
 from kvstore.prefix_cache import PrefixCache
 from kvstore.stores.redis import RedisStore, ShardedRedisStore
 from kvstore.stores.redis.raw import RawRedis
@@ -120,7 +125,8 @@ def run(reds: list[servers.RedisServer], shm: ShmStore, args: argparse.Namespace
         "shm": shm,
     }
     pids = [server_pid(s) for s in reds]
-    used = {"redis x1": pids[:1], "shards x2": pids[:2], "shards x3": pids, "shm": [],
+    used = {"redis x1": pids[:1], "shards x2": pids[:2], "shards x3": pids, "shm": [], "shm, 1 placer": [],
+            "scatter only": [],
             "raw 1 server": pids[:1], "raw 1 server, all at once": pids[:1], "memcpy": []}
     raw = RawRedis(port=reds[0].port)
     results: dict[str, dict] = {}
@@ -135,9 +141,12 @@ def run(reds: list[servers.RedisServer], shm: ShmStore, args: argparse.Namespace
             saver.save_sequence(tokens, src_slots)
             store.flush(60)
             loaders[name] = KVTransfer(PrefixCache(store, ns), dst, FlashLayout())
+            if name == "shm":
+                loaders["shm, 1 placer"] = KVTransfer(PrefixCache(store, ns), dst, FlashLayout(), placers=1)
+        for name, loader in loaders.items():
             for d in dst:
                 d.zero_()
-            n, _ = loaders[name].load_sequence(tokens, dst_slots)
+            n, _ = loader.load_sequence(tokens, dst_slots)
             ok = n == n_tokens and all(torch.equal(d[:, dst_blocks[:n_tokens // BLOCK]],
                                                    s[:, src_blocks[:n_tokens // BLOCK]]) for d, s in zip(dst, src))
             if not ok:
@@ -156,10 +165,18 @@ def run(reds: list[servers.RedisServer], shm: ShmStore, args: argparse.Namespace
                 assert n == n_tokens, (name, n)
             return fn
 
-        paths = {"memcpy": lambda: np.copyto(b, a),
+        host = host_layers([FlashLayout().host_layer(d) for d in dst])
+        chunks = loaders["shm"].keys(tokens)
+        staged = [np.ones(c.num_tokens * TOKEN_BYTES, dtype=np.uint8) for c in chunks]  # touched: resident
+
+        def scatter_only() -> None:
+            for c, st in zip(chunks, staged):
+                assert host_copy(host, dst_slots[c.start:c.end], st, True)
+
+        paths = {"memcpy": lambda: np.copyto(b, a), "scatter only": scatter_only,
                  "raw 1 server": lambda: raw_get_window(raw, keys, buffers, window),
                  "raw 1 server, all at once": lambda: raw.get_many_into(keys, buffers),
-                 **{name: load(name) for name in stores}}
+                 **{name: load(name) for name in loaders}}
         times: dict[str, list[float]] = {p: [] for p in paths}
         cpu: dict[str, list[float]] = {p: [0.0, 0.0] for p in paths}  # client, servers
         loads = [os.getloadavg()[0]]

@@ -180,9 +180,10 @@ def test_a_cpu_transfer_places_the_same_bytes_with_two_workers_as_with_one():
     loaded = []
     for workers in (1, 2):
         dst = [torch.zeros_like(c) for c in src]
-        xfer = KVTransfer(cache, dst, FlashLayout())
-        xfer._placers = workers
+        xfer = KVTransfer(cache, dst, FlashLayout(), placers=workers)
         assert xfer.load_sequence(tokens, dst_slots)[0] == 512
         loaded.append(dst)
     assert all(torch.equal(a, b) for a, b in zip(*loaded))
-    assert KVTransfer(cache, src, FlashLayout())._placers == min(2, os.cpu_count() or 1)
+    assert KVTransfer(cache, src, FlashLayout()).placers == min(2, os.cpu_count() or 1)
+    with pytest.raises(ValueError, match="placers"):
+        KVTransfer(cache, src, FlashLayout(), placers=0)
