@@ -47,14 +47,11 @@ bytes to place (``load``'s sink). Its promises:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -76,18 +73,6 @@ __all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "stored_by_tier"]
 log = logging.getLogger(__name__)
 
 _REWRITE_MAX = 4096  # chunk keys a cache remembers to rewrite until a save does
-_PLACERS: dict[int, ThreadPoolExecutor] = {}  # by size: the process's placer threads (``load``'s workers)
-_PLACERS_LOCK = threading.Lock()
-
-
-def _placers(workers: int) -> ThreadPoolExecutor:
-    """The process's ``workers`` placer threads, started on first use and shared by every cache
-    (loads that run at once share them too)."""
-    with _PLACERS_LOCK:
-        executor = _PLACERS.get(workers)
-        if executor is None:
-            executor = _PLACERS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="kvstore-place")
-        return executor
 
 
 @dataclass(frozen=True)
@@ -241,7 +226,6 @@ class PrefixCache:
         namespace: Namespace | None = None,
         hidden_dtype: str | None = None,
         hidden_shape: Sequence[int] | None = None,
-        workers: int = 1,
     ) -> LoadResult:
         """Fetch ``keys`` in one batch, verify each, and call ``sink(chunk, record)`` in order.
 
@@ -249,16 +233,7 @@ class PrefixCache:
         ``hidden_dtype``/``hidden_shape`` the hidden state its model would consume (a record
         carrying another is rejected; one carrying none is fine); all are checked before the
         sink runs. Stops at the first missing or invalid chunk.
-
-        With ``workers`` > 1, up to that many records are verified and placed at once, each on
-        a thread of its own (the sink must be safe to call from several threads for distinct
-        chunks; a CPU cache's copies are): a record's hash and its copy then read the same bytes
-        while they are in that core's cache, and both cores work. The result is the same leading
-        run of verified chunks; a verified chunk after one that failed may have been placed
-        already (correct KV beyond the hit, which the caller recomputes over).
         """
-        if type(workers) is not int or workers < 1:
-            raise ValueError(f"workers={workers!r} must be a positive integer")
         ns = self.in_space(namespace or self.namespace)
         result = LoadResult()
         if not keys:
@@ -266,7 +241,7 @@ class PrefixCache:
         expect = _Expect(ns, shapes, hidden_dtype, hidden_shape, self._tag_keys(ns))
         start = time.perf_counter()
         arr = tokens_to_array(tokens)
-        done = self._receive(keys, arr, expect, sink, result, workers)
+        done = self._receive(keys, arr, expect, sink, result)
         older = self.auth.previous_key_spaces() if self.auth is not None and keys[0].previous else []
         for j, space in enumerate(older[:len(keys[0].previous)]):
             if result.reason != "miss" or done >= len(keys):
@@ -276,7 +251,7 @@ class PrefixCache:
             rest = keys[done:]
             result.reason = "hit"
             placed = self._receive([k.previous[j] for k in rest], arr,
-                                   replace(expect, namespace=ns.with_key_space(space)), sink, result, workers)
+                                   replace(expect, namespace=ns.with_key_space(space)), sink, result)
             self._remember(rest[:placed], heal=False)
             done += placed
         metrics.HITS.inc(result.num_chunks)
@@ -287,89 +262,55 @@ class PrefixCache:
         return result
 
     def _receive(self, keys: Sequence[ChunkKey], arr: TokenIds, expect: _Expect,
-                 sink: Callable[[ChunkKey, Record], None], result: LoadResult, workers: int = 1) -> int:
+                 sink: Callable[[ChunkKey, Record], None], result: LoadResult) -> int:
         """Fetch ``keys`` in one batch and place them in order up to the first missing or bad
-        one (``result.reason`` says which); how many were placed. ``workers``: see ``load``."""
-        placers = _placers(workers) if workers > 1 else None
+        one (``result.reason`` says which); how many were placed."""
         placed = 0
-        # Records being verified and placed, oldest first: (chunk, lease, its work or None once run here).
-        pending: deque[tuple[ChunkKey, Lease, Future[Record] | None]] = deque()
-
-        def settle() -> bool:
-            chunk, lease, work = pending.popleft()
-            try:
-                record = work.result() if work is not None else self._verified(lease, chunk, arr, expect, sink)
-            except CorruptRecordError as exc:
-                self._reject(chunk, exc, result)
-                return False
-            else:
-                self._placed(chunk, record, result)
-                return True
-            finally:
-                lease.release()
-
         stream = self.store.get_into([k.key for k in keys], self.pool)
         try:
-            try:
-                for chunk, lease in zip(keys, stream):
-                    if lease is None:
-                        result.reason = "miss"
-                        break
-                    work = None
-                    if placers is not None:
-                        with contextlib.suppress(RuntimeError):  # at interpreter exit: run here
-                            work = placers.submit(self._verified, lease, chunk, arr, expect, sink)
-                    pending.append((chunk, lease, work))
-                    if len(pending) >= workers or work is None:
-                        if not settle():
-                            break
-                        placed += 1
-            except KVStoreError as exc:  # a store that is not tiered fails as a whole: a miss
-                log.debug("load failed: %s", exc)
-                result.reason = "unavailable"
-            while pending and result.reason != "corrupt":
-                if not settle():
+            for chunk, lease in zip(keys, stream):
+                if lease is None:
+                    result.reason = "miss"
                     break
+                try:
+                    if not self._place(lease, chunk, arr, expect, sink, result):
+                        break
+                finally:
+                    lease.release()
                 placed += 1
+        except KVStoreError as exc:  # a store that is not tiered fails as a whole: a miss
+            log.debug("load failed: %s", exc)
+            result.reason = "unavailable"
         finally:
-            for _, lease, work in pending:  # after a failure: finished, never counted
-                if work is not None:
-                    futures_wait([work])
-                lease.release()
             stream.close()
         return placed
 
     def _tag_keys(self, ns: Namespace) -> TagKeys | None:
         return self.auth.for_salt(ns.cache_salt) if self.auth is not None else None
 
-    def _verified(self, lease: Lease, chunk: ChunkKey, arr: TokenIds, expect: _Expect,
-                  sink: Callable[[ChunkKey, Record], None]) -> Record:
-        """Verify one received record and hand it to ``sink``; raises ``CorruptRecordError``
-        (nothing placed) if it is bad. Runs on a placer thread with ``workers`` > 1."""
-        record = decode_record(
-            lease.view, namespace=expect.namespace, chunk=chunk, tokens=arr[chunk.start:chunk.end],
-            dtype=expect.namespace.kv_dtype, shapes=None if expect.shapes is None else expect.shapes(chunk),
-            hidden_dtype=expect.hidden_dtype, hidden_shape=expect.hidden_shape, auth=expect.auth,
-            digest=lease.digest,
-        )
+    def _place(self, lease: Lease, chunk: ChunkKey, arr: TokenIds, expect: _Expect,
+               sink: Callable[[ChunkKey, Record], None], result: LoadResult) -> bool:
+        """Verify one received record and hand it to ``sink``; False (counted, discarded) if it is bad."""
+        try:
+            record = decode_record(
+                lease.view, namespace=expect.namespace, chunk=chunk, tokens=arr[chunk.start:chunk.end],
+                dtype=expect.namespace.kv_dtype, shapes=None if expect.shapes is None else expect.shapes(chunk),
+                hidden_dtype=expect.hidden_dtype, hidden_shape=expect.hidden_shape, auth=expect.auth,
+                digest=lease.digest,
+            )
+        except CorruptRecordError as exc:
+            metrics.CORRUPT.inc(reason=exc.reason)
+            log.warning("discarding stored record %s: %s", chunk.key, exc)
+            self._remember([chunk], heal=True)
+            self._discard(chunk.key)
+            result.reason = "corrupt"
+            return False
         sink(chunk, record)
-        return record
-
-    def _reject(self, chunk: ChunkKey, exc: CorruptRecordError, result: LoadResult) -> None:
-        """A bad record: counted, remembered for healing, deleted, and the load's end."""
-        metrics.CORRUPT.inc(reason=exc.reason)
-        log.warning("discarding stored record %s: %s", chunk.key, exc)
-        self._remember([chunk], heal=True)
-        self._discard(chunk.key)
-        result.reason = "corrupt"
-
-    @staticmethod
-    def _placed(chunk: ChunkKey, record: Record, result: LoadResult) -> None:
-        """A verified record the sink took (its lease still held): the hit now ends after it."""
         result.num_chunks += 1
         result.num_tokens = chunk.end
         result.last_header = record.header
         result.hidden = None if record.hidden is None else bytes(record.hidden)
+        return True
 
     def save(
         self,

@@ -6,7 +6,9 @@ in, and a record corrupted in the store is still rejected when the reader trusts
 from __future__ import annotations
 
 import os
+import shutil
 import threading
+import uuid
 
 import numpy as np
 import pytest
@@ -83,13 +85,17 @@ def test_file_leases_carry_the_digest_of_what_was_read(tmp_path, size):
         assert pool.stats()["leased_bytes"] == 0
 
 
-@pytest.mark.parametrize("backend", ["s3", "redis", "shards", "file"])
+@pytest.mark.parametrize("backend", ["s3", "redis", "shards", "file", "shm"])
 def test_a_record_corrupted_in_the_store_is_rejected_with_the_arrival_digest(backend, s3_server, redis_server,
                                                                               tmp_path):
-    # Not shm: its mapped values carry no digest; the reader hashes them (test_parallel_load.py).
+    shm_name = f"digest-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     url = {"s3": s3_server.url_for("corrupt", part_size="1MiB", deadline="20s"), "redis": redis_server.url,
-           "shards": f"redis+shards://127.0.0.1:{redis_server.port}", "file": f"file://{tmp_path}"}[backend]
-    _corrupt_and_load(url)
+           "shards": f"redis+shards://127.0.0.1:{redis_server.port}", "file": f"file://{tmp_path}",
+           "shm": f"shm://{shm_name}?max_bytes=64MiB"}[backend]  # mapped reads, hashed one ahead
+    try:
+        _corrupt_and_load(url)
+    finally:
+        shutil.rmtree(f"/dev/shm/kvstore-{shm_name}", ignore_errors=True)
 
 
 def _corrupt_and_load(url: str) -> None:

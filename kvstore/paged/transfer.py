@@ -8,8 +8,7 @@ slots) it saves chunks through a ``PrefixCache`` and loads the longest stored pr
   the store sends both pieces (a background writer keeps the lease until the bytes are out).
 * Load: records arrive in leased pool buffers, are verified in place, and are scattered into the
   paged cache straight from there (on an accelerator: one host-to-device copy of the record's
-  bytes from the pinned buffer they arrived in, on a side stream, then the scatter on the device;
-  on the CPU, two records at a time, each verified and copied by one thread).
+  bytes from the pinned buffer they arrived in, on a side stream, then the scatter on the device).
 
 The copy path is chosen once, when the transfer is built: the numpy kernels for CPU caches, the
 layout's torch copies on an accelerator.
@@ -20,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -52,13 +50,10 @@ class KVTransfer:
 
     Block-granular layouts save and load whole blocks only (a final partial block is neither
     stored nor loaded). Nothing here raises a storage or record error: a failed load is a
-    shorter (or zero) hit. ``placers`` is how many records a load verifies and places at once
-    (``PrefixCache.load``'s ``workers``): by default two on a CPU cache (one on a one-core host),
-    always one on a device.
+    shorter (or zero) hit.
     """
 
-    def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout | str, *,
-                 placers: int | None = None) -> None:
+    def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout | str) -> None:
         if not kv_caches:
             raise ValueError("KVTransfer needs at least one layer's KV cache")
         self.cache = cache
@@ -91,14 +86,6 @@ class KVTransfer:
         self._dev_buf: torch.Tensor | None = None
         # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
         self._host = host_layers([self.layout.host_layer(c) for c in self.kv_caches]) if self.device.type == "cpu" else None
-        # A CPU cache's copies are safe from several threads (distinct slots) and release the GIL:
-        # by default records are verified and placed two at a time (``PrefixCache.load``'s
-        # workers). The device path keeps one: its staging and stream are the transfer's own.
-        if placers is None:
-            placers = min(2, os.cpu_count() or 1) if self.device.type == "cpu" else 1
-        if type(placers) is not int or placers < 1 or (placers > 1 and self.device.type != "cpu"):
-            raise ValueError(f"placers={placers!r} must be a positive integer, and 1 on {self.device}")
-        self.placers = placers
         # torch leaves torch.cuda.Stream's constructor unannotated.
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
 
@@ -254,7 +241,7 @@ class KVTransfer:
                                  shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace,
                                  hidden_dtype=dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype)
                                  else hidden_dtype,
-                                 hidden_shape=hidden_shape, workers=self.placers)
+                                 hidden_shape=hidden_shape)
         if self.on_cuda:
             assert self._stream is not None  # built with the transfer on CUDA
             torch.cuda.current_stream(self.device).wait_stream(self._stream)

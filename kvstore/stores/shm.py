@@ -37,14 +37,17 @@ import re
 import shutil
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvstore.buffers import BufferPool, Lease, borrow
+import xxhash
+
+from kvstore.buffers import SELF_CHECK_BYTES, BufferPool, Lease, borrow
 from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Value
@@ -101,6 +104,8 @@ class ShmStore(FileStore):
         self.shm = config
         self._writer_lock = threading.Lock()
         self._writer_pid = -1
+        self._hash_pool: ThreadPoolExecutor | None = None
+        self._hash_pid = -1
         self._writer_dir = Path()
         self._writer_alive = -1
         self._tmp_root = Path(config.path) / "tmp"
@@ -263,13 +268,37 @@ class ShmStore(FileStore):
 
     def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
         """Each value as a borrowed view of its mapping (``map_bytes`` or more), or read into a
-        lease of ``pool`` (a borrowed copy when the pool has no room), one at a time as the
-        caller asks. A mapped value is not hashed here: the reader's verification hashes it
-        right before placing it, while its bytes are in that core's cache (``PrefixCache.load``
-        verifies and places records on two threads at once where the sink allows). A record
+        lease of ``pool`` (a borrowed copy when the pool has no room).
+
+        A mapped value is hashed (``Lease.digest``) on a thread of the store's one value ahead of
+        the caller: while the caller verifies and places value i, value i+1 is hashed (xxh3
+        releases the GIL), so a load reads each record's bytes once in its own thread. A record
         file is never written after its rename, so the bytes hashed are the bytes placed."""
-        for key in keys:
-            yield self._lease(key, pool)
+        ahead: deque[tuple[Lease | None, Future[bytes | None] | None]] = deque()
+        try:
+            for key in keys:
+                lease = self._lease(key, pool)
+                hashing = None
+                if lease is not None and lease.digest is None and len(lease.view) >= self.shm.map_bytes:
+                    hashing = self._hasher().submit(_digest, lease.view)
+                ahead.append((lease, hashing))
+                if len(ahead) > 1:
+                    yield _finish(*ahead.popleft())
+            while ahead:
+                yield _finish(*ahead.popleft())
+        finally:
+            for lease, hashing in ahead:  # the caller stopped early
+                if hashing is not None:
+                    hashing.cancel()
+                if lease is not None:
+                    lease.release()
+
+    def _hasher(self) -> ThreadPoolExecutor:
+        """This process's hashing thread (a fork gets its own)."""
+        with self._writer_lock:
+            if self._hash_pool is None or self._hash_pid != os.getpid():
+                self._hash_pool, self._hash_pid = ThreadPoolExecutor(1, thread_name_prefix="kvstore-shm-hash"), os.getpid()
+            return self._hash_pool
 
     def _lease(self, key: str, pool: BufferPool) -> Lease | None:
         path = self._file(key)
@@ -305,6 +334,9 @@ class ShmStore(FileStore):
     def close(self) -> None:
         """Give up this process's temporary directory (the records stay: other processes share them)."""
         with self._writer_lock:
+            if self._hash_pool is not None and self._hash_pid == os.getpid():
+                self._hash_pool.shutdown(wait=True)
+            self._hash_pool = None
             self._maps.clear()
             if self._writer_pid != os.getpid():
                 return  # a fork's copy: the directory is its parent's
@@ -318,6 +350,17 @@ class ShmStore(FileStore):
 
     def describe(self) -> dict[str, Any]:
         return {"store": "shm", "name": self.shm.name, "path": str(self.root), "max_bytes": self.shm.max_bytes}
+
+
+def _digest(view: memoryview) -> bytes | None:
+    """``Lease.digest`` of a whole value: xxh3-64 of all but its last ``SELF_CHECK_BYTES``."""
+    return xxhash.xxh3_64_digest(view[:len(view) - SELF_CHECK_BYTES]) if len(view) >= SELF_CHECK_BYTES else None
+
+
+def _finish(lease: Lease | None, hashing: Future[bytes | None] | None) -> Lease | None:
+    if lease is not None and hashing is not None:
+        lease.digest = hashing.result()
+    return lease
 
 
 class _Mappings:
