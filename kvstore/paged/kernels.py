@@ -1,12 +1,10 @@
 """Copy kernels for CPU caches: numpy item copies, all layers with one index computation.
 
-A layer's cache is viewed as numpy byte arrays of *items* sharing its memory (``[..., n,
-item_bytes]``): one token's row or, when the slots of a chunk are whole blocks in order (a
-256-token chunk at block size 16 is 16 blocks), one whole block. numpy moves each item as one
-contiguous run of bytes, at any alignment, on the calling thread with the GIL released, and never
-waits on torch's intra-op pool (which stalls when the cores are shared). Items are uint8 rows
-rather than opaque ``void`` scalars: numpy holds the GIL for ``void`` copies and scatters them
-about a fifth slower. ``KVTransfer`` uses these on the CPU and the layouts' torch copies everywhere else
+A layer's cache is viewed as numpy arrays of opaque *items* sharing its memory: one token's row
+or, when the slots of a chunk are whole blocks in order (a 256-token chunk at block size 16 is
+16 blocks), one whole block. numpy moves each item with one ``memcpy``, at any alignment, on
+the calling thread, and never waits on torch's intra-op pool (which stalls when the cores are
+shared). ``KVTransfer`` uses these on the CPU and the layouts' torch copies everywhere else
 (figures: ``benchmarks/results/paged.md``).
 """
 
@@ -24,10 +22,9 @@ __all__ = ["HostLayer", "np_items", "host_bytes", "host_copy", "host_layers"]
 
 
 class HostLayer(NamedTuple):
-    """One CPU layer's cache as numpy byte arrays of items, sharing its memory: ``tokens``
-    ``[*lead, num_slots, row_bytes]`` (one token's row each) and ``blocks`` ``[*lead, num_blocks,
-    block_bytes]`` (one whole block each); either is None where the layout or the strides do not
-    allow it."""
+    """One CPU layer's cache as numpy arrays of opaque items, sharing its memory: ``tokens``
+    ``[*lead, num_slots]`` (one token's row each) and ``blocks`` ``[*lead, num_blocks]`` (one
+    whole block each); either is None where the layout or the strides do not allow it."""
 
     tokens: np.ndarray | None
     blocks: np.ndarray | None
@@ -35,20 +32,17 @@ class HostLayer(NamedTuple):
 
 
 def np_items(t: torch.Tensor | np.ndarray) -> np.ndarray | None:
-    """A ``[..., n, m]`` CPU tensor or array (last dim contiguous) as a numpy uint8 ``[..., n,
-    m * itemsize]`` array (``n`` items of ``m`` elements' bytes each), sharing its memory; None
-    where the strides forbid it."""
+    """A ``[..., n, m]`` CPU tensor or array (last dim contiguous) as a numpy ``[..., n]`` array
+    of items of ``m`` elements each, sharing its memory; None where the strides forbid it."""
     if isinstance(t, torch.Tensor):
-        if t.device.type != "cpu" or t.dim() < 2 or t.shape[-1] == 0 or t.stride(-1) != 1:
+        if t.device.type != "cpu" or t.dim() == 0 or t.shape[-1] == 0 or t.stride(-1) != 1:
             return None
         try:
-            return t.detach().view(torch.uint8).numpy()
+            t = t.detach().view(torch.uint8).numpy()
         except (RuntimeError, TypeError):
             return None
-    if t.ndim < 2 or t.shape[-1] == 0:
-        return None
     try:
-        return t.view(np.uint8)
+        return t.view(np.dtype((np.void, t.shape[-1])))[..., 0]
     except ValueError:  # the last axis is not contiguous
         return None
 
@@ -96,22 +90,24 @@ def host_copy(layers: Sequence[HostLayer], slots: torch.Tensor, staging: np.ndar
     else:
         return False
     items = getattr(first, kind)
-    size = items.shape[-2]
+    size = items.shape[-1]
     if idx.size and (idx.min() < 0 or idx.max() >= size):
         bad = idx[(idx < 0) | (idx >= size)][0]
         raise IndexError(f"{kind[:-1]} {bad} is out of range for a cache of {size} {kind}")
-    shape = (len(layers), *items.shape[:-2], n_items, items.shape[-1])
+    shape = (len(layers), *items.shape[:-1], n_items, items.dtype.itemsize)
     if staging.size != math.prod(shape):
         raise ValueError(f"staging of {staging.size} bytes does not hold {n} slots of {len(layers)} layers")
-    staged = staging.reshape(shape)[..., skip_items:, :]
+    staged_items = np_items(staging.reshape(shape))
+    assert staged_items is not None  # staging is flat bytes: its reshape's last axis is contiguous
+    staged = staged_items[..., skip_items:]
     for layer, part in zip(layers, staged):
         cache_items = getattr(layer, kind)
-        pairs = zip(cache_items, part) if cache_items.ndim == 3 else ((cache_items, part),)
+        pairs = zip(cache_items, part) if cache_items.ndim == 2 else ((cache_items, part),)
         for c, st in pairs:
             if to_cache:
                 c[idx] = st
             else:  # mode="raise" would buffer the whole output; the range is checked above
-                np.take(c, idx, axis=0, out=st, mode="clip")
+                np.take(c, idx, out=st, mode="clip")
     return True
 
 
