@@ -54,9 +54,12 @@ __all__ = ["ArrivalDigest", "BufferPool", "Lease", "Pieces", "Seal", "Sealing", 
 DEFAULT_POOL_BYTES = 1 << 30
 _ALIGN = 1 << 16  # buffers are sized in 64 KiB steps: a record's header varies by a few KiB
 _PAGE = 4096
-#: ``Pieces.stream`` hands sealed parts out in slices this large: small enough that a slice the
-#: consumer has just sent or copied is still in the CPU's cache when the seal reads it.
-STREAM_SLICE = 1 << 20
+#: ``Pieces.stream`` hands sealed parts out in slices this large (and the file and S3 readers
+#: read in them): small enough that a slice the consumer has just sent or copied is still in the
+#: CPU's last-level cache when the seal reads it, large enough that the GIL round trips of a
+#: value's system calls and hash updates stay few beside a busy engine thread (one per slice
+#: each; ``kvstore.connectors.gil``).
+STREAM_SLICE = 1 << 22
 #: The size of a self-checked value's trailing xxh3-64 (see the module docstring).
 SELF_CHECK_BYTES = 8
 

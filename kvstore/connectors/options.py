@@ -11,7 +11,7 @@ from typing import Any
 from kvstore.config import option
 from kvstore.record.codecs import CHAINS
 
-__all__ = ["MAX_CHUNK_TOKENS", "store_option", "chunk_tokens_option", "codec_option"]
+__all__ = ["MAX_CHUNK_TOKENS", "store_option", "chunk_tokens_option", "codec_option", "switch_interval_option"]
 
 #: The most tokens a record may cover (a million: longer than any model's context).
 MAX_CHUNK_TOKENS = 1 << 20
@@ -38,3 +38,11 @@ def codec_option() -> Any:
         "raw", choices=tuple(CHAINS),
         help="Compression of the KV bytes in each record. 'raw' is fastest on loopback and LAN; "
         "'shuffle-lz4' saves ~15% on bf16 KV.")
+
+
+def switch_interval_option() -> Any:
+    return option(
+        0.0005, kind="duration", lo=0.0, hi=0.005,
+        help="Python's thread switch interval, lowered to this at start-up if it is longer (CPython's default "
+        "is 5ms): every system call of a background load or save waits up to this long for the GIL while the "
+        "engine's thread runs Python (kvstore.connectors.gil). 0 leaves the interpreter's setting.")

@@ -48,6 +48,7 @@ import torch
 
 from kvstore.connectors.agent.batch import PrefillSeq, prefill_sequences, rebuild_model_input
 from kvstore.connectors.agent.config import AgentConfig
+from kvstore.connectors.gil import lower_switch_interval
 from kvstore.errors import ConfigError
 from kvstore.keys import Namespace
 from kvstore.paged import KVTransfer, PagedLayout, dtype_name, get_layout
@@ -75,6 +76,7 @@ class KVStoreAgent:
 
     def __init__(self, config: AgentConfig | Mapping[str, Any], *, store: Store | None = None) -> None:
         self.config = config if isinstance(config, AgentConfig) else AgentConfig.from_mapping(config)
+        lower_switch_interval(self.config.switch_interval, who="KVStoreAgent")
         if store is None:
             store = TieredStore.from_urls(list(self.config.store), **dict(self.config.store_options))
         self.store = store

@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvstore.buffers import configure_default_pool
+from kvstore.connectors.gil import lower_switch_interval
 from kvstore.connectors.roles import parse_role
 from kvstore.connectors.vllm.facts import check_vllm_version, engine_facts
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
@@ -80,6 +81,7 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
         check_vllm_version(vllm.__version__)
         ktc = self._kv_transfer_config
         self.opts = parse_options(ktc.kv_connector_extra_config)
+        lower_switch_interval(self.opts.switch_interval, who="KVStoreConnector")
         shutdown_timeout = getattr(vllm_config, "shutdown_timeout", None)  # --shutdown-timeout; absent in older vLLM
         if role == KVConnectorRole.SCHEDULER and shutdown_timeout is not None \
                 and shutdown_timeout < self.opts.flush_timeout:
