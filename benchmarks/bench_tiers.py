@@ -32,7 +32,10 @@ GB/s = 10^9 bytes of KV per second, median [min-max] of ``--reps`` rounds after 
 s/GB: this process's user+system time (``getrusage``) and the redis-servers' (``/proc``, 10 ms
 ticks), per GB of KV loaded.
 
-    python benchmarks/bench_tiers.py [--reps 3] [--chunk 64] [--json out.json]
+The run's thread switch interval is the engine adapters' (0.5 ms; ``--switch-interval 5ms`` for
+CPython's own): kvstore's threads hand the GIL to each other on every record (``bench_gil.py``).
+
+    python benchmarks/bench_tiers.py [--reps 3] [--chunk 64] [--switch-interval 0.5ms] [--json out.json]
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import cpu_self, machine, memory_limits, raw_get_window
+from common import apply_switch_interval, cpu_self, machine, memory_limits, raw_get_window, switch_interval_arg
 
 from kvstore.keys import Namespace
 from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
@@ -89,8 +92,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=64, help="tokens per chunk (a multiple of 16)")
     parser.add_argument("--json", help="also write the figures as JSON here")
+    switch_interval_arg(parser)
     args = parser.parse_args()
     print(machine(), flush=True)
+    print(apply_switch_interval(args.switch_interval), flush=True)
     print(f"memory: {memory_limits()}", flush=True)
     reds = [servers.RedisServer() for _ in range(3)]
     shm = None

@@ -99,3 +99,24 @@ def raw_get_window(client, keys, buffers, window: int) -> None:
             client._flush()
         if client._read_bulk_into(_view(buffer)) is None:
             raise KeyError(keys[i])
+
+
+def switch_interval_arg(parser) -> None:
+    """``--switch-interval``: the interpreter's thread switch interval for the run. Its default is
+    what the engine adapters set at start-up (their ``switch_interval`` option), so a benchmark of
+    the data path runs as an engine's process does; ``5ms`` is CPython's own."""
+    from kvstore.config import parse_duration
+    from kvstore.connectors.options import switch_interval_option
+
+    default = switch_interval_option().default
+    parser.add_argument("--switch-interval", type=lambda v: parse_duration(v, name="--switch-interval"),
+                        default=default, help=f"thread switch interval (default {default * 1e3:g}ms, the "
+                        "adapters'; 5ms is CPython's)")
+
+
+def apply_switch_interval(seconds: float) -> str:
+    """Set the run's switch interval; a line saying so, for the benchmark's header."""
+    import sys
+
+    sys.setswitchinterval(seconds)
+    return f"thread switch interval {seconds * 1e3:g} ms"
