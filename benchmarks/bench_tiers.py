@@ -3,7 +3,7 @@
 
 The KV is Llama-3-8B-shaped (32 layers, 8 KV heads, head size 128, bf16: 128 KiB per token) in a
 paged cache of block size 16 whose blocks sit at random ids (``flash-2bnhd``), in chunks of
-``--chunk`` tokens (64: 8 MiB records). Two prefixes: 256 tokens (32 MiB) and 2,048 tokens
+``--chunk`` tokens (256, the adapters' default: 32 MiB records; 64: 8 MiB). Two prefixes: 256 tokens (32 MiB) and 2,048 tokens
 (268 MB, the issue's break-even case). Each prefix is saved once into every store (untimed);
 then each round loads it through every path in turn:
 
@@ -35,7 +35,7 @@ ticks), per GB of KV loaded.
 The run's thread switch interval is the engine adapters' (0.5 ms; ``--switch-interval 5ms`` for
 CPython's own): kvstore's threads hand the GIL to each other on every record (``bench_gil.py``).
 
-    python benchmarks/bench_tiers.py [--reps 3] [--chunk 64] [--switch-interval 0.5ms] [--json out.json]
+    python benchmarks/bench_tiers.py [--reps 3] [--chunk 256] [--switch-interval 0.5ms] [--json out.json]
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def server_pid(server: servers.RedisServer) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--chunk", type=int, default=64, help="tokens per chunk (a multiple of 16)")
+    parser.add_argument("--chunk", type=int, default=256, help="tokens per chunk (a multiple of 16; 256 is the adapters' default)")
     parser.add_argument("--json", help="also write the figures as JSON here")
     switch_interval_arg(parser)
     args = parser.parse_args()
