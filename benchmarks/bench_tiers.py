@@ -3,8 +3,8 @@
 
 The KV is Llama-3-8B-shaped (32 layers, 8 KV heads, head size 128, bf16: 128 KiB per token) in a
 paged cache of block size 16 whose blocks sit at random ids (``flash-2bnhd``), in chunks of
-``--chunk`` tokens (256, the adapters' default: 32 MiB records; 64: 8 MiB). Two prefixes: 256 tokens (32 MiB) and 2,048 tokens
-(268 MB, the issue's break-even case). Each prefix is saved once into every store (untimed);
+``--chunk`` tokens (256, the adapters' default: 32 MiB records; 64: 8 MiB). Two prefixes: 256
+tokens (32 MiB) and 2,048 tokens (268 MB, the issue's break-even case). Each prefix is saved once into every store (untimed);
 then each round loads it through every path in turn:
 
   memcpy                 ``np.copyto`` of the prefix's bytes between two resident buffers: the

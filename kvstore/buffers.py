@@ -202,8 +202,8 @@ class Pieces:
     With a ``seal`` the value ends with a trailer of ``seal.nbytes`` bytes computed from the parts
     it covers. Consumers that send or copy the value read it through ``stream()``, which feeds
     each slice to the seal right after the consumer has used it, so the trailer costs no pass
-    over memory of its own. ``parts`` (every part, the trailer included) and ``trailer()`` compute the
-    trailer first if no stream has finished yet. Every pass computes the same bytes, so streams
+    over memory of its own. ``parts`` (every part, the trailer included) and ``trailer()``
+    compute the trailer first if no stream has finished yet. Every pass computes the same bytes, so streams
     may be restarted (a retried send) or run in several threads at once.
     """
 
@@ -238,8 +238,9 @@ class Pieces:
 
     def stream(self, slice_bytes: int = STREAM_SLICE) -> Iterator[memoryview | bytes]:
         """The value's bytes as buffers to send or copy in order, the trailer last; sealed parts
-        come in slices of at most ``slice_bytes``, each fed to the seal once the consumer asks for the
-        next one (it has sent or copied this one: the seal reads it from the CPU's cache)."""
+        come in slices of at most ``slice_bytes``, each fed to the seal once the consumer asks
+        for the next one (it has sent or copied this one: the seal reads it from the CPU's
+        cache)."""
         seal = self._seal
         if seal is None or self._trailer is not None:
             yield from self.parts

@@ -3,10 +3,9 @@
 kvstore's loads and saves run on Python threads beside the engine's own. Each of their system
 calls (a ``recv_into``, a ``send``, a hash of a slice) releases the GIL and must take it back
 afterwards; while the engine's thread runs Python, that takes up to ``sys.getswitchinterval()``
-(CPython's default: 5 ms) per call. With the default, a load of 64 MiB from Redis beside one
-busy Python thread took about 3x as long as alone and a save about 30x
-(``benchmarks/results/gil.md``). A shorter interval bounds each wait; the engine's thread then
-hands the GIL over more often, but only while a transfer waits for it.
+(CPython's default: 5 ms) per call, which makes transfers beside a busy engine thread many
+times slower (figures: ``benchmarks/results/gil.md``). A shorter interval bounds each wait; the
+engine's thread then hands the GIL over more often, but only while a transfer waits for it.
 """
 
 from __future__ import annotations
