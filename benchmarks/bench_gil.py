@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import servers
 from common import machine
 
+from kvstore.connectors.gil import DEFAULT_SWITCH_INTERVAL
 from kvstore.keys import Namespace
 from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
@@ -48,7 +49,7 @@ from kvstore.stores.shm import ShmStore
 
 LAYERS, HEADS, HEAD, BLOCK = 32, 8, 128, 16
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD * 2
-INTERVALS = {"5 ms (CPython)": 0.005, "0.5 ms (kvstore)": 0.0005}
+INTERVALS = {"5 ms (CPython)": 0.005, f"{DEFAULT_SWITCH_INTERVAL * 1e3:g} ms (kvstore)": DEFAULT_SWITCH_INTERVAL}
 
 
 class Busy:

@@ -6,6 +6,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -106,9 +107,8 @@ def switch_interval_arg(parser) -> None:
     what the engine adapters set at start-up (their ``switch_interval`` option), so a benchmark of
     the data path runs as an engine's process does; ``5ms`` is CPython's own."""
     from kvstore.config import parse_duration
-    from kvstore.connectors.options import switch_interval_option
+    from kvstore.connectors.gil import DEFAULT_SWITCH_INTERVAL as default
 
-    default = switch_interval_option().default
     parser.add_argument("--switch-interval", type=lambda v: parse_duration(v, name="--switch-interval"),
                         default=default, help=f"thread switch interval (default {default * 1e3:g}ms, the "
                         "adapters'; 5ms is CPython's)")
@@ -116,7 +116,5 @@ def switch_interval_arg(parser) -> None:
 
 def apply_switch_interval(seconds: float) -> str:
     """Set the run's switch interval; a line saying so, for the benchmark's header."""
-    import sys
-
     sys.setswitchinterval(seconds)
     return f"thread switch interval {seconds * 1e3:g} ms"

@@ -13,9 +13,12 @@ from __future__ import annotations
 import logging
 import sys
 
-__all__ = ["lower_switch_interval"]
+__all__ = ["DEFAULT_SWITCH_INTERVAL", "lower_switch_interval"]
 
 log = logging.getLogger(__name__)
+
+#: What the adapters' ``switch_interval`` option lowers the interval to by default (seconds).
+DEFAULT_SWITCH_INTERVAL = 0.0005
 
 
 def lower_switch_interval(seconds: float, *, who: str = "kvstore") -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstore.config import option
+from kvstore.connectors.gil import DEFAULT_SWITCH_INTERVAL
 from kvstore.record.codecs import CHAINS
 
 __all__ = ["MAX_CHUNK_TOKENS", "store_option", "chunk_tokens_option", "codec_option", "switch_interval_option"]
@@ -42,7 +43,7 @@ def codec_option() -> Any:
 
 def switch_interval_option() -> Any:
     return option(
-        0.0005, kind="duration", lo=0.0, hi=0.005,
+        DEFAULT_SWITCH_INTERVAL, kind="duration", lo=0.0, hi=0.005,
         help="Python's thread switch interval, lowered to this at start-up if it is longer (CPython's default "
         "is 5ms): every system call of a background load or save waits up to this long for the GIL while the "
         "engine's thread runs Python (kvstore.connectors.gil). 0 leaves the interpreter's setting.")
