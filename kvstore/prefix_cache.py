@@ -47,6 +47,7 @@ bytes to place (``load``'s sink). Its promises:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -59,7 +60,16 @@ from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
 from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
 from kvstore.keys import ChunkKey, InputSpan, Namespace, TokenIds, chunk_keys, prefix_keys, tokens_to_array
 from kvstore.metrics import catalog as metrics
-from kvstore.record import DTYPES, Record, RecordHeader, decode_record, encode_record_pieces
+from kvstore.record import (
+    DTYPES,
+    Landing,
+    Record,
+    RecordHeader,
+    decode_record,
+    encode_record_pieces,
+    land_record,
+    verify_landed,
+)
 from kvstore.record.auth import RecordAuth, TagKeys
 from kvstore.record.codecs import resolve_chain
 from kvstore.stores.base import Store
@@ -226,6 +236,7 @@ class PrefixCache:
         namespace: Namespace | None = None,
         hidden_dtype: str | None = None,
         hidden_shape: Sequence[int] | None = None,
+        land: Callable[[ChunkKey], Sequence[memoryview] | None] | None = None,
     ) -> LoadResult:
         """Fetch ``keys`` in one batch, verify each, and call ``sink(chunk, record)`` in order.
 
@@ -233,6 +244,15 @@ class PrefixCache:
         ``hidden_dtype``/``hidden_shape`` the hidden state its model would consume (a record
         carrying another is rejected; one carrying none is fine); all are checked before the
         sink runs. Stops at the first missing or invalid chunk.
+
+        ``land(chunk)``: where the chunk's KV bytes go, in record order (the caller's
+        destination, e.g. the paged cache's blocks; None: not there). A store that receives
+        values piece by piece then lands each uncompressed record's KV there as it arrives,
+        once its header passed every check (``record.land_record``), and the sink gets a
+        ``Record`` with ``landed`` set. Those bytes are verified only after they landed: a
+        record that then fails leaves its bytes in the destination, which the caller must
+        treat as holding nothing (it stays past the loaded prefix, like every chunk not
+        placed). Chunks of other stores, and records that cannot land, come as before.
         """
         ns = self.in_space(namespace or self.namespace)
         result = LoadResult()
@@ -241,7 +261,7 @@ class PrefixCache:
         expect = _Expect(ns, shapes, hidden_dtype, hidden_shape, self._tag_keys(ns))
         start = time.perf_counter()
         arr = tokens_to_array(tokens)
-        done = self._receive(keys, arr, expect, sink, result)
+        done = self._receive(keys, arr, expect, sink, result, land)
         older = self.auth.previous_key_spaces() if self.auth is not None and keys[0].previous else []
         for j, space in enumerate(older[:len(keys[0].previous)]):
             if result.reason != "miss" or done >= len(keys):
@@ -251,7 +271,7 @@ class PrefixCache:
             rest = keys[done:]
             result.reason = "hit"
             placed = self._receive([k.previous[j] for k in rest], arr,
-                                   replace(expect, namespace=ns.with_key_space(space)), sink, result)
+                                   replace(expect, namespace=ns.with_key_space(space)), sink, result, land)
             self._remember(rest[:placed], heal=False)
             done += placed
         metrics.HITS.inc(result.num_chunks)
@@ -262,18 +282,32 @@ class PrefixCache:
         return result
 
     def _receive(self, keys: Sequence[ChunkKey], arr: TokenIds, expect: _Expect,
-                 sink: Callable[[ChunkKey, Record], None], result: LoadResult) -> int:
+                 sink: Callable[[ChunkKey, Record], None], result: LoadResult,
+                 land: Callable[[ChunkKey], Sequence[memoryview] | None] | None) -> int:
         """Fetch ``keys`` in one batch and place them in order up to the first missing or bad
         one (``result.reason`` says which); how many were placed."""
         placed = 0
-        stream = self.store.get_into([k.key for k in keys], self.pool)
+        names = [k.key for k in keys]
+        landings = [Landing() for _ in keys] if land is not None else None
+        if land is None or landings is None:
+            stream = self.store.get_into(names, self.pool)
+        else:
+            def place(i: int, view: memoryview) -> Iterator[memoryview]:
+                chunk = keys[i]
+                return land_record(
+                    view, landings[i], functools.partial(land, chunk), namespace=expect.namespace, chunk=chunk,
+                    tokens=arr[chunk.start:chunk.end], dtype=expect.namespace.kv_dtype,
+                    shapes=None if expect.shapes is None else expect.shapes(chunk),
+                    hidden_dtype=expect.hidden_dtype, hidden_shape=expect.hidden_shape)
+            stream = self.store.get_into(names, self.pool, place)
         try:
-            for chunk, lease in zip(keys, stream):
+            for i, (chunk, lease) in enumerate(zip(keys, stream)):
                 if lease is None:
                     result.reason = "miss"
                     break
                 try:
-                    if not self._place(lease, chunk, arr, expect, sink, result):
+                    landing = landings[i] if landings is not None and landings[i].header is not None else None
+                    if not self._place(lease, chunk, arr, expect, sink, result, landing):
                         break
                 finally:
                     lease.release()
@@ -289,10 +323,11 @@ class PrefixCache:
         return self.auth.for_salt(ns.cache_salt) if self.auth is not None else None
 
     def _place(self, lease: Lease, chunk: ChunkKey, arr: TokenIds, expect: _Expect,
-               sink: Callable[[ChunkKey, Record], None], result: LoadResult) -> bool:
-        """Verify one received record and hand it to ``sink``; False (counted, discarded) if it is bad."""
+               sink: Callable[[ChunkKey, Record], None], result: LoadResult, landing: Landing | None) -> bool:
+        """Verify one received (or landed) record and hand it to ``sink``; False (counted,
+        discarded) if it is bad."""
         try:
-            record = decode_record(
+            record = verify_landed(lease.view, landing, auth=expect.auth, digest=lease.digest) if landing else decode_record(
                 lease.view, namespace=expect.namespace, chunk=chunk, tokens=arr[chunk.start:chunk.end],
                 dtype=expect.namespace.kv_dtype, shapes=None if expect.shapes is None else expect.shapes(chunk),
                 hidden_dtype=expect.hidden_dtype, hidden_shape=expect.hidden_shape, auth=expect.auth,

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["HostLayer", "np_items", "host_bytes", "host_copy", "host_layers"]
+__all__ = ["HostLayer", "BlockBytes", "np_items", "host_bytes", "host_copy", "host_layers"]
 
 
 class HostLayer(NamedTuple):
@@ -122,3 +122,43 @@ def host_layers(layers: Sequence[HostLayer | None]) -> list[HostLayer] | None:
     if not (tokens or blocks):
         return None
     return [h._replace(tokens=h.tokens if tokens else None, blocks=h.blocks if blocks else None) for h in views]
+
+
+class BlockBytes:
+    """Every layer's whole blocks as writable byte memoryviews, for landing records straight in
+    the cache (``targets``); built once per set of layers."""
+
+    def __init__(self, layers: Sequence[HostLayer]) -> None:
+        self.block_size = layers[0].block_size if layers else 0
+        rows: list[memoryview] = []
+        item = 0
+        for layer in layers:
+            blocks = layer.blocks
+            if blocks is None or blocks.strides[-1] != blocks.dtype.itemsize or not blocks.flags.writeable:
+                rows = []
+                break
+            item = blocks.dtype.itemsize
+            flat = blocks.view(np.uint8)  # [*lead, num_blocks * item]: one run of blocks per lead index
+            rows.extend(memoryview(r) for r in (flat if flat.ndim == 2 else flat[None]))
+        #: Per layer and lead index (K/V), in ``host_copy``'s staging order: the row of its blocks' bytes.
+        self.rows = rows
+        self.item = item
+
+    def targets(self, slots: torch.Tensor) -> list[memoryview] | None:
+        """The cache bytes of ``slots`` (whole blocks, in order) as a chunk's record holds them
+        (``host_copy``'s staging order: layer, lead index, block), runs of consecutive blocks as
+        one buffer each; None where ``slots`` are not whole blocks or the cache not viewable so."""
+        if not self.rows or slots.device.type != "cpu":
+            return None
+        ids = _whole_blocks(slots.numpy(), self.block_size)
+        if ids is None:
+            return None
+        size = len(self.rows[0]) // self.item
+        if ids.min() < 0 or ids.max() >= size:
+            return None
+        cuts = np.flatnonzero(np.diff(ids) != 1) + 1
+        starts = np.concatenate(([0], cuts))
+        ends = np.concatenate((cuts, [ids.size]))
+        item = self.item
+        runs = [(int(ids[a]) * item, (int(ids[b - 1]) + 1) * item) for a, b in zip(starts, ends)]
+        return [row[lo:hi] for row in self.rows for lo, hi in runs]

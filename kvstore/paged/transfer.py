@@ -27,7 +27,7 @@ import torch
 from kvstore.buffers import BufferPool, Lease
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, InputSpan, Namespace, TokenIds, prefix_keys, tokens_to_array
-from kvstore.paged.kernels import host_bytes, host_copy, host_layers
+from kvstore.paged.kernels import BlockBytes, host_bytes, host_copy, host_layers
 from kvstore.paged.layouts import PagedLayout, get_layout
 from kvstore.paged.tensors import dtype_name, tensor_bytes
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
@@ -86,6 +86,8 @@ class KVTransfer:
         self._dev_buf: torch.Tensor | None = None
         # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
         self._host = host_layers([self.layout.host_layer(c) for c in self.kv_caches]) if self.device.type == "cpu" else None
+        # Where loads land records straight in the cache's blocks (CPU caches, whole blocks).
+        self._landing = BlockBytes(self._host) if self._host is not None and self._host[0].blocks is not None else None
         # torch leaves torch.cuda.Stream's constructor unannotated.
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
 
@@ -235,9 +237,17 @@ class KVTransfer:
         def sink(chunk: ChunkKey, record: Record) -> None:
             if before_place is not None:
                 before_place(chunk, record)
-            self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
+            if not record.landed:
+                self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
 
-        result = self.cache.load(arr[:keys[-1].end], keys, sink,
+        landing = self._landing
+        land = None
+        if landing is not None:
+            def land(chunk: ChunkKey) -> list[memoryview] | None:
+                # Never into blocks before skip_tokens: they may be shared with other requests.
+                return landing.targets(slots[chunk.start:chunk.end]) if chunk.start >= skip_tokens else None
+
+        result = self.cache.load(arr[:keys[-1].end], keys, sink, land=land,
                                  shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace,
                                  hidden_dtype=dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype)
                                  else hidden_dtype,

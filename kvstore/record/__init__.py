@@ -9,14 +9,17 @@ from kvstore.record.format import (
     DTYPES,
     FRAME_BYTES,
     MAGIC,
+    Landing,
     Record,
     RecordHeader,
     decode_record,
     encode_record,
     encode_record_pieces,
     kv_nbytes,
+    land_record,
     read_header,
+    verify_landed,
 )
 
-__all__ = ["DTYPES", "FRAME_BYTES", "MAGIC", "Record", "RecordAuth", "RecordHeader", "decode_record", "encode_record",
-           "encode_record_pieces", "kv_nbytes", "read_header"]
+__all__ = ["DTYPES", "FRAME_BYTES", "Landing", "MAGIC", "Record", "RecordAuth", "RecordHeader", "decode_record", "encode_record",
+           "encode_record_pieces", "kv_nbytes", "land_record", "read_header", "verify_landed"]

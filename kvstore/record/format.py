@@ -45,8 +45,8 @@ import math
 import struct
 import time
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgpack
@@ -140,6 +140,8 @@ class Record:
     header: RecordHeader
     kv: Buffer
     hidden: memoryview | None
+    #: The KV bytes already lie in the reader's destination (``land_record``); ``kv`` is then empty.
+    landed: bool = False
 
 
 def kv_nbytes(dtype: str, shapes: Sequence[Sequence[int]]) -> int:
@@ -558,3 +560,88 @@ def decode_record(
     else:
         kv = body
     return Record(header, kv, hidden)
+
+
+class Landing:
+    """Where ``land_record`` put one record: after its run, ``kv`` holds the destination buffers
+    its KV bytes went to (empty: the whole record went to the view, for ``decode_record``)."""
+
+    __slots__ = ("header", "kv", "payload_at")
+
+    def __init__(self) -> None:
+        self.header: RecordHeader | None = None
+        self.payload_at = 0
+        self.kv: tuple[memoryview, ...] = ()
+
+
+def land_record(
+    view: memoryview,
+    landing: Landing,
+    destination: Callable[[], Sequence[memoryview] | None],
+    *,
+    namespace: Namespace | None = None,
+    chunk: ChunkKey | None = None,
+    tokens: TokenIds | None = None,
+    dtype: str | None = None,
+    shapes: Sequence[Sequence[int]] | None = None,
+    hidden_dtype: str | None = None,
+    hidden_shape: Sequence[int] | None = None,
+) -> Iterator[memoryview]:
+    """Where a record of ``len(view)`` bytes arriving in order should land (``Store.get_into``'s
+    ``place``): its frame and header into ``view``, then, once they arrived and passed every
+    check ``decode_record`` makes of them (frame, fields, lengths, and the reader's expectations
+    given here), its KV bytes into ``destination()``'s buffers (their sizes must add up to the
+    record's ``raw_len``) and the rest (hidden state, trailer) into ``view`` again.
+
+    Only an uncompressed version-2 record lands in the destination: a foreign, malformed,
+    mismatched or compressed one, or one ``destination`` declines (None), lands whole in
+    ``view``, where ``decode_record`` then judges it. A landed record's checksum and tag are
+    only known once its last byte is in: ``verify_landed`` checks them, and until it accepts
+    the record its destination holds bytes no one may use."""
+    size = len(view)
+    if size <= FRAME_BYTES:
+        yield view
+        return
+    yield view[:FRAME_BYTES]
+    _, version, _, header_len, _ = _FRAME.unpack_from(view, 0)
+    if version != FORMAT_VERSION or not 0 < header_len <= min(MAX_HEADER_BYTES, size - FRAME_BYTES):
+        yield view[FRAME_BYTES:]
+        return
+    payload_at = FRAME_BYTES + header_len
+    yield view[FRAME_BYTES:payload_at]
+    try:
+        header, at = _parse(view)  # the trailer has not arrived: verify_landed reads it
+        _expect(header, namespace, chunk, tokens, dtype, shapes, hidden_dtype, hidden_shape, None)
+        kv = None if header.codecs else destination()
+    except CorruptRecordError:
+        kv = None
+    if kv is None or sum(len(b) for b in kv) != header.raw_len:
+        yield view[payload_at:]
+        return
+    landing.header, landing.payload_at, landing.kv = header, at, tuple(kv)
+    yield from landing.kv
+    yield view[at + header.raw_len:]
+
+
+def verify_landed(view: memoryview, landing: Landing, *, auth: TagKeys | None = None,
+                  digest: bytes | None = None) -> Record:
+    """The record ``land_record`` landed, once every byte is in: its checksum against
+    ``digest`` (the store's ``ArrivalDigest`` of every byte, wherever it landed; required) and,
+    with ``auth``, its tag over the header, the KV where it lies and the hidden state. A
+    ``CorruptRecordError`` if either fails: the destination then holds the failed record's bytes."""
+    header = landing.header
+    if header is None:
+        raise ValueError("verify_landed needs a record land_record landed")
+    at, end = landing.payload_at, landing.payload_at + header.payload_len
+    checksum = bytes(view[len(view) - CHECKSUM_BYTES:])
+    if digest is None or digest != checksum:
+        raise _fail("record checksum mismatch", "checksum")
+    hidden = view[at + header.raw_len:end] if header.hidden_len else None
+    tag = None
+    if header.key_id is not None:
+        tag = bytes(view[end:end + TAG_BYTES])
+        if auth is not None:
+            auth.check(header.key_id, tag, (view[:at], *landing.kv, *(() if hidden is None else (hidden,))))
+    elif auth is not None:
+        auth.check(None, None, ())
+    return Record(replace(header, checksum=checksum, tag=tag), memoryview(b""), hidden, landed=True)

@@ -22,6 +22,13 @@ Contract, for every backend:
   ``digest`` (the xxh3-64 of all but the value's last 8 bytes, ``ArrivalDigest``) computed as
   the value arrived; it must then be exactly that, since readers check records against it.
   (The tiered store hands its tiers' leases through; values it copies carry none.)
+* ``get_into(keys, pool, place=place)``: a backend that receives values piece by piece (Redis)
+  may land value i where the reader says instead of all in its lease: it calls ``place(i,
+  view)`` with the lease's full-size ``view``, before any byte arrives, and fills each buffer the
+  iterator yields, completely and in order, before asking for the next; together they hold the
+  value's bytes in order (views of ``view`` for the parts to keep there, the reader's own memory
+  for the rest). The lease's ``digest`` then covers every byte, wherever it landed. Backends
+  that cannot ignore ``place``: the reader learns which values it placed from its own iterators.
 * ``deadline`` bounds how long one call may block on a remote server (``None``: the store does
   no network I/O); ``flush`` waits, at most ``timeout``, for writes accepted but not yet
   durable in the backend (background queues) and says whether they all landed.
@@ -47,7 +54,7 @@ from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.stores.speed import LinkSpeed
 from kvstore.types import Buffer
 
-__all__ = ["Buffer", "EvictionListener", "Evicting", "LeaseStream", "Store", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
+__all__ = ["Buffer", "EvictionListener", "Evicting", "LeaseStream", "Place", "Store", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
 
 #: What ``get`` returns for a hit: the value's bytes (a view of a buffer the caller now owns).
 Value = bytes | memoryview
@@ -55,6 +62,8 @@ Value = bytes | memoryview
 WriteValue = Buffer | Pieces
 #: What ``get_into`` returns: values in key order as leases (``None`` for a miss); closable.
 LeaseStream = Generator[Lease | None, None, None]
+#: Where ``get_into`` lands value i's bytes, given its lease's view (the contract above).
+Place = Callable[[int, memoryview], Iterator[memoryview]]
 #: Told the keys a store evicted (called after they are gone, outside the store's locks).
 EvictionListener = Callable[[Sequence[str]], None]
 
@@ -140,11 +149,11 @@ class Store(ABC):
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return [self.get(k) for k in keys]
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
+    def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Each value of ``keys`` in order as a lease the consumer releases (``None`` on a miss).
 
-        The default borrows what ``get_many`` returns; backends that can receive into ``pool``'s
-        buffers, or overlap receiving with the consumer's work, override it.
+        The default borrows what ``get_many`` returns (and ignores ``place``); backends that can
+        receive into ``pool``'s buffers, or overlap receiving with the consumer's work, override it.
         """
         for value in self.get_many(keys):
             yield None if value is None else borrow(value)
@@ -267,8 +276,8 @@ class WrapperStore(Store):
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return self.inner.get_many(keys)
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
-        return self.inner.get_into(keys, pool)
+    def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
+        return self.inner.get_into(keys, pool, place)
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         self.inner.put_many(items)

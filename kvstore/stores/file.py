@@ -32,7 +32,7 @@ from kvstore.buffers import STREAM_SLICE, ArrivalDigest, BufferPool, Lease, Piec
 from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.metrics.catalog import EVICTIONS
-from kvstore.stores.base import Evicting, LeaseStream, Store, WriteValue
+from kvstore.stores.base import Evicting, LeaseStream, Place, Store, WriteValue
 
 _STALE_TMP_SECONDS = 3600.0
 
@@ -111,7 +111,7 @@ class FileStore(Evicting, Store):
             pass
         return data
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
+    def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Each value read into a lease of ``pool`` (a fresh buffer when the pool has no room
         within ``_LEASE_WAIT``) and hashed as it lands (``Lease.digest``); one file open at a
         time, in key order."""

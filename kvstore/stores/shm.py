@@ -50,7 +50,7 @@ import xxhash
 from kvstore.buffers import SELF_CHECK_BYTES, BufferPool, Lease, borrow
 from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
-from kvstore.stores.base import LeaseStream, Value
+from kvstore.stores.base import LeaseStream, Place, Value
 from kvstore.stores.file import FileConfig, FileStore
 
 __all__ = ["ShmConfig", "ShmStore"]
@@ -266,7 +266,7 @@ class ShmStore(FileStore):
         except OSError as exc:
             raise StoreUnavailableError(f"shm store read of {key!r} failed: {exc}") from exc
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
+    def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Each value as a borrowed view of its mapping (``map_bytes`` or more), or read into a
         lease of ``pool`` (a borrowed copy when the pool has no room).
 

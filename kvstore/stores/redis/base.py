@@ -43,7 +43,7 @@ from redis.retry import Retry
 from kvstore.buffers import BufferPool, Lease, Pieces
 from kvstore.config import redact_url
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
-from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
+from kvstore.stores.base import LeaseStream, Place, Store, Value, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import MAX_SPREAD, RedisConfig
 from kvstore.stores.redis.direct import Sender, Slot, as_redis_error, exchange, is_redirect, read_into, run_sender
@@ -262,22 +262,23 @@ class RedisStoreBase(Store):
                      Waves(len(keys), _IN_FLIGHT_BYTES))
         return out
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
+    def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Values received straight into leases of ``pool`` over ``connections`` connections per
         server (on a cluster: to every node of the batch at once), under one ``Waves`` budget of
         about ``_IN_FLIGHT_BYTES`` requested ahead per server; value i is yielded while later
         ones are still arriving. A cluster whose slots moved under a batch finishes it through the
-        client's pipeline, which follows the redirections."""
+        client's pipeline, which follows the redirections. The direct readers land values where
+        ``place`` says (the store contract), the pipeline's in their leases."""
         routes = self._direct_reads(keys) if keys else None
         if routes is None:
             yield from super().get_into(keys, pool)
             return
-        done = yield from self._get_into_direct(keys, routes, pool)
+        done = yield from self._get_into_direct(keys, routes, pool, place)
         if done < len(keys):  # the pipeline, told MOVED too, relearns the slots' homes
             yield from super().get_into(keys[done:], pool)
 
     def _get_into_direct(self, keys: Sequence[str], routes: list[tuple[Any, list[int]]],
-                         pool: BufferPool) -> Generator[Lease | None, None, int]:
+                         pool: BufferPool, place: Place | None) -> Generator[Lease | None, None, int]:
         """The direct part of ``get_into``; returns how many values it yielded (all of them
         unless a key was redirected)."""
         slots = [Slot() for _ in keys]
@@ -293,7 +294,7 @@ class RedisStoreBase(Store):
             threads = self._threads()
             for direct, share in readers:
                 futures.append(threads.submit(read_into, direct, commands, share, slots, pool, waves,
-                                              self.config.retries))
+                                              self.config.retries, place))
             for i, slot in enumerate(slots):
                 slot.done.wait()
                 if slot.error is not None:

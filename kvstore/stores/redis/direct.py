@@ -11,6 +11,7 @@ fresh connection after a connection error only (a stale pooled socket), never af
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ from typing import Any
 import redis
 
 from kvstore.buffers import BufferPool, Lease, lease_or_fresh
-from kvstore.stores.base import WriteValue
+from kvstore.stores.base import Place, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.waves import Cancelled, Waves
 
@@ -115,9 +116,10 @@ def exchange(pool: Any, commands: Sequence[list[Any]], on_reply: Callable[[hooks
 
 
 def read_into(direct: Any, commands: list[list[Any]], share: Sequence[int], slots: list[Slot], pool: BufferPool,
-              waves: Waves, retries: int) -> None:
-    """One connection's share of a ``get_into`` batch. A failure ends the whole batch: every
-    slot not yet filled gets the error (the consumer raises it at the first such value)."""
+              waves: Waves, retries: int, place: Place | None = None) -> None:
+    """One connection's share of a ``get_into`` batch, each value landed where ``place`` says
+    (the store contract) or in its lease. A failure ends the whole batch: every slot not yet
+    filled gets the error (the consumer raises it at the first such value)."""
     def on_reply(reader: hooks.DirectReplies, i: int) -> int:
         leased: list[Lease] = []
 
@@ -127,7 +129,7 @@ def read_into(direct: Any, commands: list[list[Any]], share: Sequence[int], slot
             return lease.view
 
         try:
-            view = reader.value(into, hashed=True)
+            view = reader.value(into, hashed=True, land=None if place is None else functools.partial(place, i))
         except BaseException:
             for lease in leased:
                 lease.release()

@@ -212,11 +212,14 @@ class DirectReplies:
         del self._buf[:end + 2]
         return line
 
-    def value(self, into: Callable[[int], memoryview] | None = None, *, hashed: bool = False) -> memoryview | None:
+    def value(self, into: Callable[[int], memoryview] | None = None, *, hashed: bool = False,
+              land: Callable[[memoryview], Iterator[memoryview]] | None = None) -> memoryview | None:
         """The next GET reply's value (``None`` for a miss), received into ``into(size)`` when
         given (a leased buffer of exactly ``size`` bytes), else into a new buffer. With
         ``hashed`` the value is received in slices, each hashed right after it lands
-        (``ArrivalDigest``, left in ``self.digest``)."""
+        (``ArrivalDigest``, left in ``self.digest``). With ``land`` the bytes go, in order, to
+        the buffers ``land(view)`` yields (each filled before the next is asked for), which
+        must hold exactly the value; ``view`` is still returned."""
         line = self._line()
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
@@ -233,11 +236,32 @@ class DirectReplies:
             # the kernel for transparent huge pages, which fault far less often.
             view = array_view(np.empty(size, dtype=np.uint8)) if size >= HUGE_VALUE else memoryview(bytearray(size))
         arrival = ArrivalDigest(size) if hashed else None
+        if land is None:
+            self._receive(view, arrival)
+        else:
+            landed = 0
+            for target in land(view):
+                landed += len(target)
+                if landed > size:
+                    raise ValueError(f"the landing buffers exceed the {size}-byte value")
+                self._receive(target, arrival)
+            if landed != size:
+                raise ValueError(f"the landing buffers hold {landed} bytes of a {size}-byte value")
+        self.digest = arrival.digest() if arrival is not None else None
+        while len(self._buf) < 2:  # the CRLF after the value
+            self._fill()
+        del self._buf[:2]
+        return view
+
+    def _receive(self, view: memoryview, arrival: ArrivalDigest | None) -> None:
+        """Fill ``view`` with the reply's next bytes, buffered ones first, each slice hashed as it lands."""
+        size = len(view)
         have = min(size, len(self._buf))
-        view[:have] = self._buf[:have]
-        del self._buf[:have]
-        if arrival is not None:
-            arrival.arrived(view[:have])
+        if have:
+            view[:have] = self._buf[:have]
+            del self._buf[:have]
+            if arrival is not None:
+                arrival.arrived(view[:have])
         while have < size:
             stop = size if arrival is None else min(size, have + _RECV_SLICE)
             n = self._sock.recv_into(view[have:stop])
@@ -246,11 +270,6 @@ class DirectReplies:
             if arrival is not None:
                 arrival.arrived(view[have:have + n])
             have += n
-        self.digest = arrival.digest() if arrival is not None else None
-        while len(self._buf) < 2:  # the CRLF after the value
-            self._fill()
-        del self._buf[:2]
-        return view
 
     def status(self) -> None:
         """Read one simple reply (``+OK`` of a SET); an error reply raises ``ResponseError``."""

@@ -38,7 +38,7 @@ from botocore.config import Config as BotoConfig
 
 from kvstore.buffers import STREAM_SLICE, BufferPool, borrow, lease_or_fresh
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
-from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
+from kvstore.stores.base import LeaseStream, Place, Store, Value, WriteValue
 from kvstore.stores.s3.bodies import Fetch, PartsDigest, abandon, object_size, request_body
 from kvstore.stores.s3.config import S3Config
 
@@ -247,7 +247,7 @@ class S3Store(Store):
     def get_many(self, keys: Sequence[str]) -> list[Value | None]:
         return self._read(self._get, list(keys))
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
+    def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Values received straight into leases of ``pool`` (``readinto``: no buffer of botocore's
         own), yielded in order while later ones still arrive, each within ``deadline`` of its
         first request (a consumer's own work between values never counts against the server).

@@ -32,6 +32,7 @@ promotes hits from lower tiers by handing the same leased buffer to the tiers ab
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -41,7 +42,7 @@ from kvstore.buffers import BufferPool, Lease, Pieces, copy_bytes, default_pool
 from kvstore.config import build
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import BYTES_READ, BYTES_WRITTEN
-from kvstore.stores.base import LeaseStream, Store, Value, WriteValue
+from kvstore.stores.base import LeaseStream, Place, Store, Value, WriteValue
 from kvstore.stores.registry import open_backend
 from kvstore.stores.tiered.config import TieredConfig
 from kvstore.stores.tiered.tier import Tier, tier_names
@@ -131,9 +132,10 @@ class TieredStore(Store):
             missing = still
         return out
 
-    def get_into(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
+    def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """The values in key order as leases, tier by tier, each tier's values streamed; a key
-        is yielded as soon as it and every key before it are resolved."""
+        is yielded as soon as it and every key before it are resolved. ``place`` goes to the
+        first tier only: a hit in a lower one is promoted from its lease, so it must land there."""
         resolved: dict[int, Lease | None] = {}
         missing = list(range(len(keys)))
         next_out = 0
@@ -151,7 +153,10 @@ class TieredStore(Store):
                     missing = [j for j in missing if j not in resolved]
                 still: list[int] = []
                 nbytes = 0
-                stream = tier.stream([keys[j] for j in missing], pool)
+                here = None
+                if place is not None and level == 0:
+                    here = functools.partial(_place_among, place, list(missing))
+                stream = tier.stream([keys[j] for j in missing], pool, here)
                 try:
                     for j, lease in zip(missing, stream):
                         if lease is None:
@@ -362,3 +367,8 @@ def _lease_of(value: Value | Pieces, pool: BufferPool) -> Lease:
     else:
         copy_bytes(lease.view, value)  # with the GIL released for large values
     return lease
+
+
+def _place_among(place: Place, asked: Sequence[int], i: int, view: memoryview) -> Iterator[memoryview]:
+    """``place`` for a tier asked for ``keys[j] for j in asked``: its value i is the batch's ``asked[i]``."""
+    return place(asked[i], view)

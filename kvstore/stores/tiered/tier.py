@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from kvstore.buffers import BufferPool
 from kvstore.errors import StoreTimeoutError, StoreUnavailableError
 from kvstore.metrics.catalog import ERRORS, LATENCY
-from kvstore.stores.base import LeaseStream, Store
+from kvstore.stores.base import LeaseStream, Place, Store
 from kvstore.stores.speed import LinkSpeed
 from kvstore.stores.tiered.breaker import CLOSED, CircuitBreaker
 from kvstore.stores.tiered.config import TieredConfig
@@ -59,8 +59,8 @@ class Tier:
         method: Callable[[Any], T] = getattr(self.store, op)
         return self._guarded(op, lambda: method(arg), default)
 
-    def stream(self, keys: Sequence[str], pool: BufferPool) -> LeaseStream:
-        """``store.get_into(keys, pool)`` guarded by the breaker: skipped or failing, the keys not
+    def stream(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
+        """``store.get_into(keys, pool, place)`` guarded by the breaker: skipped or failing, the keys not
         yet yielded are misses (the failure counted, never raised).
 
         The read is timed (``speed``) however the stream ends: consumers stop asking once they
@@ -73,7 +73,7 @@ class Tier:
         start = time.perf_counter()
         yielded = nbytes = 0
         failed = False
-        inner = self.store.get_into(keys, pool)
+        inner = self.store.get_into(keys, pool, place) if place is not None else self.store.get_into(keys, pool)
         try:
             for lease in inner:
                 yielded += 1

@@ -1,0 +1,170 @@
+"""Loads that land records straight in a CPU cache's blocks (``record.land_record``), on a real
+redis-server: the KV is what was saved, on every layout with whole-block items; a record that
+fails its header checks never writes a byte in its blocks; one that fails its checksum or tag
+after landing is a miss, counted and deleted, and the next save heals it; blocks before
+``skip_tokens`` are never written; records that cannot land load as before."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import xxhash
+
+from kvstore.keys import Namespace
+from kvstore.metrics.catalog import CORRUPT
+from kvstore.paged import BHNCLayout, CPUPackedLayout, FlashLayout, KVTransfer, dtype_name, slots_from_block_table
+from kvstore.prefix_cache import PrefixCache
+from kvstore.record import RecordAuth
+from kvstore.stores import open_store
+
+B, N, H, D = 24, 4, 2, 8  # blocks, block size, heads, head size
+CHUNK = 8  # tokens: two blocks
+
+
+def _cache(case: str) -> tuple:
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g).bfloat16()  # noqa: E731
+    if case == "cpu":
+        return CPUPackedLayout("vec"), [r(B, H, N, 2 * D) for _ in range(3)]
+    if case == "flash":
+        return FlashLayout(), [r(2, B, N, H, D) for _ in range(3)]
+    return BHNCLayout(), [r(B, N, H, 2 * D).permute(0, 2, 1, 3) for _ in range(3)]
+
+
+@pytest.fixture
+def store(redis_server):
+    redis_server.flushall()
+    with open_store(redis_server.url) as s:
+        yield s
+
+
+def _xfer(store, layout, caches, *, codec="raw", auth=None, model="m"):
+    ns = Namespace(model=model, model_fingerprint="f", kv_dtype=dtype_name(caches[0].dtype), layout=layout.name,
+                   block_size=N, chunk_tokens=CHUNK, layer_end=len(caches))
+    return KVTransfer(PrefixCache(store, ns, codec=codec, auth=auth), caches, layout)
+
+
+def _landed(xfer, tokens, slots, **kw):
+    """Load into ``xfer``; (tokens present, how many chunks landed in place)."""
+    landed = []
+    n, _ = xfer.load_sequence(tokens, slots, before_place=lambda c, r: landed.append(r.landed), **kw)
+    return n, sum(landed)
+
+
+def _same(layout, src, src_slots, dst, dst_slots):
+    a = torch.empty(layout.chunk_shape(src[0], len(src_slots)), dtype=src[0].dtype)
+    b = torch.empty_like(a)
+    return all(torch.equal(layout.gather(s, src_slots, a), layout.gather(d, dst_slots, b)) for s, d in zip(src, dst))
+
+
+TOKENS = list(range(500, 532))  # 4 chunks
+SAVED = slots_from_block_table([9, 2, 5, 11, 0, 7, 3, 1], N, 32)
+
+
+@pytest.mark.parametrize("case", ["cpu", "flash", "bhnc"])
+@pytest.mark.parametrize("table", [[12, 13, 14, 15, 16, 17, 18, 19], [20, 4, 6, 8, 10, 1, 22, 21]])
+def test_records_land_in_the_blocks_and_hold_the_saved_kv(store, case, table):
+    layout, caches = _cache(case)
+    assert _xfer(store, layout, caches).save_sequence(TOKENS, SAVED) == 4
+    fresh = [torch.zeros_like(c) for c in caches]
+    slots = slots_from_block_table(table, N, 32)  # consecutive blocks (one buffer per layer), then scattered
+    assert _landed(_xfer(store, layout, fresh), TOKENS, slots) == (32, 4)
+    assert _same(layout, caches, SAVED, fresh, slots)
+
+
+def test_signed_records_land_and_a_forged_tag_is_a_miss(store):
+    layout, caches = _cache("cpu")
+    auth = RecordAuth([os.urandom(32)])
+    assert _xfer(store, layout, caches, auth=auth).save_sequence(TOKENS, SAVED) == 4
+    fresh = [torch.zeros_like(c) for c in caches]
+    slots = slots_from_block_table(list(range(12, 20)), N, 32)
+    assert _landed(_xfer(store, layout, fresh, auth=auth), TOKENS, slots) == (32, 4)
+    assert _same(layout, caches, SAVED, fresh, slots)
+    # A forger without the key: other KV under a checksum that matches it, the tag left as it was.
+    key = _keys(_xfer(store, layout, caches, auth=auth))[1]
+    value = bytearray(store.get(key))
+    value[len(value) // 2] ^= 0xFF
+    value[-8:] = xxhash.xxh3_64_digest(bytes(value[:-8]))
+    store.put(key, bytes(value))
+    before = CORRUPT.value(reason="auth")
+    n, landed = _landed(_xfer(store, layout, [torch.zeros_like(c) for c in caches], auth=auth), TOKENS, slots)
+    assert (n, landed) == (8, 1) and CORRUPT.value(reason="auth") == before + 1 and not store.exists(key)
+
+
+def _keys(xfer):
+    return [k.key for k in xfer.keys(TOKENS)]
+
+
+def test_a_payload_that_fails_its_checksum_is_a_miss_counted_deleted_and_healed(store):
+    layout, caches = _cache("cpu")
+    writer = _xfer(store, layout, caches)
+    writer.save_sequence(TOKENS, SAVED)
+    key = _keys(writer)[2]
+    value = bytearray(store.get(key))
+    value[len(value) // 2] ^= 0xFF  # in the KV, after a header that passes every check
+    store.put(key, bytes(value))
+    before = CORRUPT.value(reason="checksum")
+    fresh = [torch.zeros_like(c) for c in caches]
+    slots = slots_from_block_table(list(range(12, 20)), N, 32)
+    reader = _xfer(store, layout, fresh)
+    n, landed = _landed(reader, TOKENS, slots)
+    assert n == 16 and landed == 2  # the chunks before it; its own bytes are past the loaded prefix
+    assert CORRUPT.value(reason="checksum") == before + 1 and not store.exists(key)
+    staged = torch.empty(layout.chunk_shape(caches[0], 32), dtype=caches[0].dtype)
+    for src, dst in zip(caches, fresh):  # the reader's engine recomputes tokens 16-31 (all, here)
+        layout.scatter(dst, slots, layout.gather(src, SAVED, staged))
+    assert reader.save_sequence(TOKENS, slots, from_token=32) == 2  # and its save heals the record
+    again = [torch.zeros_like(c) for c in caches]
+    assert _landed(_xfer(store, layout, again), TOKENS, slots) == (32, 4)
+    assert _same(layout, caches, SAVED, again, slots)
+
+
+@pytest.mark.parametrize("damage", ["foreign", "truncated", "header", "tokens"])
+def test_a_record_failing_its_header_checks_never_writes_a_byte(store, damage):
+    layout, caches = _cache("cpu")
+    writer = _xfer(store, layout, caches)
+    writer.save_sequence(TOKENS, SAVED)
+    key = _keys(writer)[0]
+    value = bytearray(store.get(key))
+    if damage == "foreign":  # another model's record of these tokens, under this key
+        other = _xfer(store, layout, caches, model="other")
+        other.save_sequence(TOKENS, SAVED)
+        value = bytearray(store.get(_keys(other)[0]))
+    elif damage == "truncated":
+        value = value[:-100]
+    elif damage == "header":
+        value[20] ^= 0xFF  # inside the header: its crc fails
+    else:
+        reader_tokens = TOKENS[:3] + [7] + TOKENS[4:]
+        key = _keys(writer)[0]
+        store.put(_xfer(store, layout, caches).keys(reader_tokens)[0].key, bytes(value))
+    store.put(key, bytes(value))
+    sentinel = [torch.full_like(c, 7.0) for c in caches]
+    slots = slots_from_block_table(list(range(12, 20)), N, 32)
+    asked = reader_tokens if damage == "tokens" else TOKENS
+    assert _landed(_xfer(store, layout, sentinel), asked, slots) == (0, 0)
+    # Its blocks (12, 13) kept what they held; later chunks may have landed (past the prefix).
+    assert all(bool((c[12:14] == 7.0).all()) for c in sentinel)
+
+
+def test_blocks_before_skip_tokens_are_never_written(store):
+    layout, caches = _cache("cpu")
+    _xfer(store, layout, caches).save_sequence(TOKENS, SAVED)
+    fresh = [torch.full_like(c, 7.0) for c in caches]
+    table = [12, 13, 14, 15, 16, 17, 18, 19]
+    slots = slots_from_block_table(table, N, 32)
+    n, landed = _landed(_xfer(store, layout, fresh), TOKENS, slots, skip_tokens=12)  # into chunk 1 (tokens 8-15)
+    assert n == 32 and landed == 2  # chunks 2 and 3; chunk 1 is placed from its lease, after its skipped block
+    assert all(bool((c[12:15] == 7.0).all()) for c in fresh)  # blocks of tokens 0-11
+    assert _same(layout, caches, SAVED[12:], fresh, slots[12:])
+
+
+def test_compressed_records_load_from_their_lease(store):
+    layout, caches = _cache("cpu")
+    _xfer(store, layout, caches, codec="shuffle-lz4").save_sequence(TOKENS, SAVED)
+    fresh = [torch.zeros_like(c) for c in caches]
+    slots = slots_from_block_table(list(range(12, 20)), N, 32)
+    assert _landed(_xfer(store, layout, fresh), TOKENS, slots) == (32, 0)
+    assert _same(layout, caches, SAVED, fresh, slots)
