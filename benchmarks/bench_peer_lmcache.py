@@ -45,9 +45,12 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
                      each (``RawPathSpread``): the ceiling of a client with four connections
   kvstore cache      PrefixCache.save (lookup to skip stored chunks, xxh3 over the payload, the
                      header sent beside the payload, no copy; one batch over the store's
-                     connections) / PrefixCache.load (records received into pooled buffers, each
-                     verified in place (namespace, key, token ids, dtype, shapes, checksum) and
-                     copied into a preallocated tensor while the next ones arrive)
+                     connections) / PrefixCache.load (each record's header received and checked
+                     (namespace, key, token ids, dtype, shapes), its KV landed straight in a
+                     preallocated tensor, its checksum checked as its last byte arrives, while
+                     the next ones arrive)
+  ... from leases    the same load with no ``land``: records received into pooled buffers, each
+                     verified there, then copied into the tensor
   kvstore store      bare RedisStore.put_many / get_many of the same encoded records
 
 Lookups of the 16 stored chunks: LMCache ``engine.lookup(tokens)`` (token hashing included);
@@ -62,8 +65,9 @@ the same length, and each path retrieves again.
 
 LMCache's standalone mode copies nothing from or to a KV cache (its mock connector's
 from_gpu/to_gpu do nothing), so its store sends whatever its allocator buffers hold and its
-retrieve ends when the bytes are in its buffers. kvstore's save includes one copy of the KV into
-the record plus hashing, and its load the verification plus a copy into the destination tensor.
+retrieve ends when the bytes are in its buffers. kvstore's save includes hashing (the KV is the
+record's payload as it is), and its load the verification, with the bytes landed in the
+destination tensor (from leases: plus a copy into it).
 
 CPU s/GB beside every GB/s figure: this process's user+system time (``getrusage(RUSAGE_SELF)``,
 every thread, LMCache's included) over each timed store and retrieve, per GB of KV; the
@@ -290,17 +294,26 @@ class KVStorePath:
         return self._payloads[chunk.index]
 
     def _sink(self, chunk, record) -> None:
-        np.copyto(self.data.dest[chunk.index], np.frombuffer(record.kv, dtype=np.uint8))
+        if not record.landed:
+            np.copyto(self.data.dest[chunk.index], np.frombuffer(record.kv, dtype=np.uint8))
+
+    def _land(self, chunk) -> list[memoryview]:
+        return [memoryview(self.data.dest[chunk.index])]
 
     def save(self) -> None:
         n = self.cache.save(self.data.token_ids, self.keys, self._payload)
         assert n == self.data.n, f"saved {n} chunks"
 
-    def load(self):
-        return self.cache.load(self.data.token_ids, self.keys, self._sink, shapes=self._shapes)
+    def load(self, land: bool = True):
+        return self.cache.load(self.data.token_ids, self.keys, self._sink, shapes=self._shapes,
+                               land=self._land if land else None)
 
     def get(self) -> None:
         result = self.load()
+        assert result.num_chunks == self.data.n, f"loaded {result.num_chunks} chunks ({result.reason})"
+
+    def get_leased(self) -> None:
+        result = self.load(land=False)
         assert result.num_chunks == self.data.n, f"loaded {result.num_chunks} chunks ({result.reason})"
 
     def put_bare(self) -> None:
@@ -435,6 +448,7 @@ RAW = "raw zero-copy client"
 RAW4 = "raw zero-copy client, 4 connections"
 RAWC = "raw zero-copy client + copy into the destination"
 KV_CACHE = "kvstore PrefixCache save/load"
+KV_LEASED = "kvstore PrefixCache, loads from leases (no land)"
 KV_STORE = "kvstore RedisStore put_many/get_many"
 LM_RESP, LM_REDIS = "LMCache resp://", "LMCache redis://"
 
@@ -460,6 +474,7 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
         paths[LM_REDIS] = (lm["redis"].store, lm["redis"].get, {"LMCache redis:// lookup": lm["redis"].lookup})
         paths[LM_RESP] = (lm["resp"].store, lm["resp"].get, {"LMCache resp:// lookup": lm["resp"].lookup})
     paths[KV_CACHE] = (kv.save, kv.get, {"kvstore keys+lookup": kv.lookup, "kvstore lookup": kv.lookup_only})
+    paths[KV_LEASED] = (kv.save, kv.get_leased, {})
     paths[KV_STORE] = (kv.put_bare, kv.get_bare, {})
     put_t = {p: [] for p in paths}
     get_t = {p: [] for p in paths}
@@ -578,7 +593,8 @@ def noise_contrast(data: Data, lm: dict, kv: KVStorePath, raw) -> list[str]:
         lines.append(f"kvstore PrefixCache.load, {variant} of chunk {bad} ({len(value)} B) overwritten with noise: "
                      f"loaded {result.num_chunks}/{data.n} chunks (reason {result.reason!r}; decode: {why}); "
                      f"chunks 0-{result.num_chunks - 1} equal the saved KV: {intact}; chunk {bad}'s destination "
-                     f"left untouched: {untouched}; the bad record was deleted: {not raw.exists(key)}")
+                     f"left untouched: {untouched} (a payload under a valid header lands before its checksum "
+                     f"is known, and is not counted); the bad record was deleted: {not raw.exists(key)}")
         print("  " + lines[-1], flush=True)
     raw.flushall()
     return lines

@@ -8,9 +8,11 @@ random ids (``flash-2bnhd`` layout, copied by the CPU kernels). Paths, interleav
   raw zero-copy      pipelined SETs of the 8 encoded records / GETs into preallocated buffers
   kvstore save       ``save_sequence`` into a RedisStore: lookup, gather each chunk from the paged
                      cache into a pooled buffer, checksum, send header and payload as pieces
-  kvstore load       ``load_sequence`` into another paged cache: lookup, records received into
-                     pooled buffers, each verified in place and scattered into the cache while
-                     the next ones arrive
+  kvstore load       ``load_sequence`` into another paged cache: each record's header received
+                     and checked, its KV landed straight in the cache's blocks, its checksum
+                     checked as its last byte arrives, while the next ones arrive
+  ... from leases    the same with ``land=False``: records received into pooled buffers, each
+                     verified there, then scattered into the cache
   engine-visible     ``save_sequence`` into a TieredStore over the same Redis: what the engine
   save               waits for (the background writer sends afterwards; its flush is not timed)
 
@@ -85,6 +87,7 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
     save_x = KVTransfer(PrefixCache(store, ns), src, FlashLayout())
     tiered_x = KVTransfer(PrefixCache(tiered, ns), src, FlashLayout())
     load_x = KVTransfer(PrefixCache(store, ns), dst, FlashLayout())
+    lease_x = KVTransfer(PrefixCache(store, ns), dst, FlashLayout(), land=False)
     kv_bytes = TOKENS * LAYERS * 2 * HEADS * HEAD * 2
 
     raw = RawRedis(port=server.port)
@@ -116,13 +119,18 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
         n, _ = load_x.load_sequence(tokens, dst_slots)
         assert n == TOKENS, n
 
+    def lease_load() -> None:
+        n, _ = lease_x.load_sequence(tokens, dst_slots)
+        assert n == TOKENS, n
+
     def engine_save() -> None:
         n = tiered_x.save_sequence(tokens, src_slots)
         assert n == TOKENS // CHUNK, n
 
     paths = {"raw zero-copy SET": (raw.flushall, raw_put), "kvstore save (sync RedisStore)": (raw.flushall, kv_save),
              "engine-visible save (tiered write-behind)": (raw.flushall, engine_save),
-             "raw zero-copy GET": (None, raw_get), "kvstore load": (None, kv_load)}
+             "raw zero-copy GET": (None, raw_get), "kvstore load": (None, kv_load),
+             "kvstore load, from leases (land=False)": (None, lease_load)}
     times: dict[str, list[float]] = {p: [] for p in paths}
     cpu: dict[str, float] = {p: 0.0 for p in paths}
     loads = [os.getloadavg()[0]]
@@ -131,7 +139,7 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
             if setup is not None:
                 setup()
                 tiered.flush(60)
-            if name == "raw zero-copy GET" or name == "kvstore load":
+            if name == "raw zero-copy GET" or "load" in name:
                 raw_put()  # the records are there to be read
             c = cpu_self()
             t = time.perf_counter()

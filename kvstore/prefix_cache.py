@@ -11,7 +11,9 @@ bytes to place (``load``'s sink). Its promises:
   receives record i+1 while record i is verified and placed), verifies each record (namespace,
   key, token ids, dtype, shapes, hidden state, checksum and, with a deployment key, its tag)
   in place before handing it to the sink, in prefix order, and stops at the first chunk that
-  is missing or fails. The record handed to the sink is valid only during that call. A failed
+  is missing or fails. The record handed to the sink is valid only during that call. With
+  ``land`` the store may land each record's KV in the caller's destination as it arrives,
+  after its header passed every check and before its checksum and tag are known (``load``). A failed
   record is counted, deleted from the store (best effort) and becomes a miss; a store outage
   is a miss. ``load`` never raises a storage or record error.
 * **Healing.** A cache remembers (a bounded set) the chunks whose record a load rejected; the
@@ -288,10 +290,12 @@ class PrefixCache:
         one (``result.reason`` says which); how many were placed."""
         placed = 0
         names = [k.key for k in keys]
-        landings = [Landing() for _ in keys] if land is not None else None
-        if land is None or landings is None:
+        landings = None
+        if land is None:
             stream = self.store.get_into(names, self.pool)
         else:
+            landings = [Landing() for _ in keys]
+
             def place(i: int, view: memoryview) -> Iterator[memoryview]:
                 chunk = keys[i]
                 return land_record(

@@ -168,3 +168,35 @@ def test_compressed_records_load_from_their_lease(store):
     slots = slots_from_block_table(list(range(12, 20)), N, 32)
     assert _landed(_xfer(store, layout, fresh), TOKENS, slots) == (32, 0)
     assert _same(layout, caches, SAVED, fresh, slots)
+
+
+@pytest.fixture(scope="module")
+def shard_servers(redis_server_factory):
+    return [redis_server_factory() for _ in range(2)]
+
+
+@pytest.mark.parametrize("kind", ["cluster", "shards", "tiered", "tiered, memory first"])
+def test_every_redis_form_lands_and_a_tier_below_the_first_loads_from_its_lease(kind, request, redis_server):
+    if kind == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+        url: str | list[str] = cluster.url
+    elif kind == "shards":
+        shards = request.getfixturevalue("shard_servers")
+        for s in shards:
+            s.flushall()
+        url = "redis+shards://" + ",".join(f"127.0.0.1:{s.port}" for s in shards)
+    else:
+        redis_server.flushall()
+        url = [redis_server.url] if kind == "tiered" else ["memory://", redis_server.url]
+    layout, caches = _cache("cpu")
+    with open_store(url) as writer_store:
+        _xfer(writer_store, layout, caches).save_sequence(TOKENS, SAVED)
+        if hasattr(writer_store, "flush"):
+            writer_store.flush(10)
+    with open_store(url) as s:  # a fresh process's view: its memory tier (if any) is empty
+        fresh = [torch.zeros_like(c) for c in caches]
+        slots = slots_from_block_table(list(range(12, 20)), N, 32)
+        # Below a memory tier the hit is promoted from its lease, so it cannot land.
+        assert _landed(_xfer(s, layout, fresh), TOKENS, slots) == (32, 0 if "memory" in kind else 4)
+        assert _same(layout, caches, SAVED, fresh, slots)

@@ -9,6 +9,9 @@ slots) it saves chunks through a ``PrefixCache`` and loads the longest stored pr
 * Load: records arrive in leased pool buffers, are verified in place, and are scattered into the
   paged cache straight from there (on an accelerator: one host-to-device copy of the record's
   bytes from the pinned buffer they arrived in, on a side stream, then the scatter on the device).
+  On a CPU cache a store that receives piece by piece (Redis) lands each record's KV in the
+  blocks themselves, once its header passed every check; its checksum and tag are checked
+  when its last byte is in, and a record that fails them is a miss like any other.
 
 The copy path is chosen once, when the transfer is built: the numpy kernels for CPU caches, the
 layout's torch copies on an accelerator.
@@ -51,9 +54,16 @@ class KVTransfer:
     Block-granular layouts save and load whole blocks only (a final partial block is neither
     stored nor loaded). Nothing here raises a storage or record error: a failed load is a
     shorter (or zero) hit.
+
+    On a CPU cache whose blocks are whole items (every layout here but token rows at odd
+    strides), loads land records straight in the blocks (``PrefixCache.load``'s ``land``:
+    no copy out of a pool buffer); ``land=False`` keeps every record in its lease until
+    verified, then scatters it. Either way the blocks past the loaded prefix hold nothing the
+    caller may use: stale KV, or a failed record's bytes.
     """
 
-    def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout | str) -> None:
+    def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout | str, *,
+                 land: bool = True) -> None:
         if not kv_caches:
             raise ValueError("KVTransfer needs at least one layer's KV cache")
         self.cache = cache
@@ -87,7 +97,8 @@ class KVTransfer:
         # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
         self._host = host_layers([self.layout.host_layer(c) for c in self.kv_caches]) if self.device.type == "cpu" else None
         # Where loads land records straight in the cache's blocks (CPU caches, whole blocks).
-        self._landing = BlockBytes(self._host) if self._host is not None and self._host[0].blocks is not None else None
+        self._landing = (BlockBytes(self._host) if land and self._host is not None and self._host[0].blocks is not None
+                         else None)
         # torch leaves torch.cuda.Stream's constructor unannotated.
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
 
@@ -213,13 +224,15 @@ class KVTransfer:
         """Load the longest stored prefix of ``tokens`` into ``slots``.
 
         Only chunks ending at or before ``max_tokens`` are considered. Each chunk is verified
-        before its KV is scattered. ``skip_tokens`` leading tokens are already in the cache
-        (an engine's local prefix hit, possibly shared blocks): chunks ending there are not
-        fetched and those slots are never written (``slots`` may hold anything for them); on
-        a block-granular layout it must be a whole number of blocks. ``namespace`` overrides
-        the cache's; ``spans`` are the prompt's non-text inputs. ``before_place(chunk, record)`` runs for each verified chunk before its KV
-        is written; an exception from it stops the load there and propagates (a caller's
-        cancellation). ``hidden_dtype``/``hidden_shape`` are what the caller's model consumes: a
+        before it counts as loaded (before its KV is scattered, or, landed in the blocks, once
+        its last byte is in). Slots past the returned prefix hold nothing usable. ``skip_tokens``
+        leading tokens are already in the cache (an engine's local prefix hit, possibly shared
+        blocks): chunks ending there are not fetched and those slots are never written
+        (``slots`` may hold anything for them); on a block-granular layout it must be a whole
+        number of blocks. ``namespace`` overrides the cache's; ``spans`` are the prompt's
+        non-text inputs. ``before_place(chunk, record)`` runs for each verified chunk before it
+        is counted (and its KV scattered, if it did not land); an exception from it stops the
+        load there and propagates (a caller's cancellation). ``hidden_dtype``/``hidden_shape`` are what the caller's model consumes: a
         record carrying another hidden state is a miss there, never a tensor the model cannot
         take. Returns ``(tokens present: skip_tokens or the end of the loaded prefix, hidden
         state of the last loaded token or None)``; the hidden state is a new CPU tensor.
