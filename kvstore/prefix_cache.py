@@ -296,7 +296,7 @@ class PrefixCache:
         else:
             landings = [Landing() for _ in keys]
 
-            def place(i: int, view: memoryview) -> Iterator[memoryview]:
+            def place(i: int, view: memoryview) -> Iterator[Sequence[memoryview]]:
                 chunk = keys[i]
                 return land_record(
                     view, landings[i], functools.partial(land, chunk), namespace=expect.namespace, chunk=chunk,

@@ -586,7 +586,7 @@ def land_record(
     shapes: Sequence[Sequence[int]] | None = None,
     hidden_dtype: str | None = None,
     hidden_shape: Sequence[int] | None = None,
-) -> Iterator[memoryview]:
+) -> Iterator[Sequence[memoryview]]:
     """Where a record of ``len(view)`` bytes arriving in order should land (``Store.get_into``'s
     ``place``): its frame and header into ``view``, then, once they arrived and passed every
     check ``decode_record`` makes of them (frame, fields, lengths, and the reader's expectations
@@ -600,15 +600,15 @@ def land_record(
     the record its destination holds bytes no one may use."""
     size = len(view)
     if size <= FRAME_BYTES:
-        yield view
+        yield (view,)
         return
-    yield view[:FRAME_BYTES]
+    yield (view[:FRAME_BYTES],)
     _, version, _, header_len, _ = _FRAME.unpack_from(view, 0)
     if version != FORMAT_VERSION or not 0 < header_len <= min(MAX_HEADER_BYTES, size - FRAME_BYTES):
-        yield view[FRAME_BYTES:]
+        yield (view[FRAME_BYTES:],)
         return
     payload_at = FRAME_BYTES + header_len
-    yield view[FRAME_BYTES:payload_at]
+    yield (view[FRAME_BYTES:payload_at],)
     try:
         header, at = _parse(view)  # the trailer has not arrived: verify_landed reads it
         _expect(header, namespace, chunk, tokens, dtype, shapes, hidden_dtype, hidden_shape, None)
@@ -616,11 +616,11 @@ def land_record(
     except CorruptRecordError:
         kv = None
     if kv is None or sum(len(b) for b in kv) != header.raw_len:
-        yield view[payload_at:]
+        yield (view[payload_at:],)
         return
     landing.header, landing.payload_at, landing.kv = header, at, tuple(kv)
-    yield from landing.kv
-    yield view[at + header.raw_len:]
+    yield landing.kv
+    yield (view[at + header.raw_len:],)
 
 
 def verify_landed(view: memoryview, landing: Landing, *, auth: TagKeys | None = None,

@@ -24,10 +24,10 @@ Contract, for every backend:
   (The tiered store hands its tiers' leases through; values it copies carry none.)
 * ``get_into(keys, pool, place=place)``: a backend that receives values piece by piece (Redis)
   may land value i where the reader says instead of all in its lease: it calls ``place(i,
-  view)`` with the lease's full-size ``view``, before any byte arrives, and fills each buffer the
-  iterator yields, completely and in order, before asking for the next; together they hold the
-  value's bytes in order (views of ``view`` for the parts to keep there, the reader's own memory
-  for the rest). The lease's ``digest`` then covers every byte, wherever it landed. Backends
+  view)`` with the lease's full-size ``view``, before any byte arrives, and fills the buffers of
+  each sequence the iterator yields, completely and in order, before asking for the next;
+  together they hold the value's bytes in order (views of ``view`` for the parts to keep there,
+  the reader's own memory for the rest). The lease's ``digest`` then covers every byte, wherever it landed. Backends
   that cannot ignore ``place``: the reader learns which values it placed from its own iterators.
 * ``deadline`` bounds how long one call may block on a remote server (``None``: the store does
   no network I/O); ``flush`` waits, at most ``timeout``, for writes accepted but not yet
@@ -63,7 +63,7 @@ WriteValue = Buffer | Pieces
 #: What ``get_into`` returns: values in key order as leases (``None`` for a miss); closable.
 LeaseStream = Generator[Lease | None, None, None]
 #: Where ``get_into`` lands value i's bytes, given its lease's view (the contract above).
-Place = Callable[[int, memoryview], Iterator[memoryview]]
+Place = Callable[[int, memoryview], Iterator[Sequence[memoryview]]]
 #: Told the keys a store evicted (called after they are gone, outside the store's locks).
 EvictionListener = Callable[[Sequence[str]], None]
 

@@ -19,6 +19,7 @@ upgrade that changes them fails loudly instead of silently losing speed or corre
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +47,7 @@ __all__ = ["Connection", "SSLConnection", "UnixConnection", "DirectReplies", "Ze
 HUGE_VALUE = 1 << 20
 _JOIN_CUTOFF = 1 << 14  # smaller command arguments are joined into one buffer (fewer send calls)
 _RECV_SLICE = 1 << 20  # a hashed reply is received in slices the hash reads while still in the CPU's cache
+_IOV_MAX = 512  # buffers per recvmsg_into (the kernel takes up to 1024)
 
 
 def check_redis_py() -> None:
@@ -196,6 +198,8 @@ class DirectReplies:
     def __init__(self, sock: Any) -> None:
         self._sock = sock
         self._buf = bytearray()
+        # Scattered receives: plain sockets (an SSL socket has no recvmsg_into).
+        self._scatter = not isinstance(sock, ssl.SSLSocket) and hasattr(sock, "recvmsg_into")
         #: After ``value(hashed=True)``: the value's ``ArrivalDigest`` (None if too short).
         self.digest: bytes | None = None
 
@@ -213,13 +217,13 @@ class DirectReplies:
         return line
 
     def value(self, into: Callable[[int], memoryview] | None = None, *, hashed: bool = False,
-              land: Callable[[memoryview], Iterator[memoryview]] | None = None) -> memoryview | None:
+              land: Callable[[memoryview], Iterator[Sequence[memoryview]]] | None = None) -> memoryview | None:
         """The next GET reply's value (``None`` for a miss), received into ``into(size)`` when
         given (a leased buffer of exactly ``size`` bytes), else into a new buffer. With
         ``hashed`` the value is received in slices, each hashed right after it lands
         (``ArrivalDigest``, left in ``self.digest``). With ``land`` the bytes go, in order, to
-        the buffers ``land(view)`` yields (each filled before the next is asked for), which
-        must hold exactly the value; ``view`` is still returned."""
+        the buffers of the sequences ``land(view)`` yields (each filled before the next is asked
+        for), which must hold exactly the value; ``view`` is still returned."""
         line = self._line()
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
@@ -237,14 +241,14 @@ class DirectReplies:
             view = array_view(np.empty(size, dtype=np.uint8)) if size >= HUGE_VALUE else memoryview(bytearray(size))
         arrival = ArrivalDigest(size) if hashed else None
         if land is None:
-            self._receive(view, arrival)
+            self._receive((view,), arrival)
         else:
             landed = 0
-            for target in land(view):
-                landed += len(target)
+            for targets in land(view):
+                landed += sum(len(t) for t in targets)
                 if landed > size:
                     raise ValueError(f"the landing buffers exceed the {size}-byte value")
-                self._receive(target, arrival)
+                self._receive(targets, arrival)
             if landed != size:
                 raise ValueError(f"the landing buffers hold {landed} bytes of a {size}-byte value")
         self.digest = arrival.digest() if arrival is not None else None
@@ -253,23 +257,58 @@ class DirectReplies:
         del self._buf[:2]
         return view
 
-    def _receive(self, view: memoryview, arrival: ArrivalDigest | None) -> None:
-        """Fill ``view`` with the reply's next bytes, buffered ones first, each slice hashed as it lands."""
-        size = len(view)
-        have = min(size, len(self._buf))
-        if have:
-            view[:have] = self._buf[:have]
-            del self._buf[:have]
-            if arrival is not None:
-                arrival.arrived(view[:have])
-        while have < size:
-            stop = size if arrival is None else min(size, have + _RECV_SLICE)
-            n = self._sock.recv_into(view[have:stop])
+    def _receive(self, views: Sequence[memoryview], arrival: ArrivalDigest | None) -> None:
+        """Fill ``views``, in order, with the reply's next bytes: buffered ones first, then
+        straight from the socket, several buffers per system call (``recvmsg_into``; one at a
+        time over TLS), at most ``_RECV_SLICE`` bytes per call so that the hash reads each slice
+        while it is still in the CPU's cache."""
+        i, at = 0, 0  # the buffer being filled, and how much of it is
+        while i < len(views) and self._buf:
+            v = views[i]
+            take = min(len(v) - at, len(self._buf))
+            if take:
+                v[at:at + take] = self._buf[:take]
+                del self._buf[:take]
+                if arrival is not None:
+                    arrival.arrived(v[at:at + take])
+            at += take
+            if at == len(v):
+                i, at = i + 1, 0
+        scatter = self._scatter
+        while i < len(views):
+            v = views[i]
+            if at == len(v):
+                i, at = i + 1, 0
+                continue
+            if not scatter or len(v) - at >= _RECV_SLICE:
+                stop = len(v) if arrival is None else min(len(v), at + _RECV_SLICE)
+                n = self._sock.recv_into(v[at:stop])
+                if not n:
+                    raise redis.exceptions.ConnectionError("server closed the connection mid-value")
+                if arrival is not None:
+                    arrival.arrived(v[at:at + n])
+                at += n
+                continue
+            parts, room, j = [v[at:]], len(v) - at, i + 1
+            while j < len(views) and room < _RECV_SLICE and len(parts) < _IOV_MAX:
+                part = views[j][:_RECV_SLICE - room]
+                parts.append(part)
+                room += len(part)
+                j += 1
+            n = self._sock.recvmsg_into(parts)[0]
             if not n:
                 raise redis.exceptions.ConnectionError("server closed the connection mid-value")
-            if arrival is not None:
-                arrival.arrived(view[have:have + n])
-            have += n
+            for part in parts:  # part k is views[i]'s next bytes (the last may be a head of it)
+                take = min(n, len(part))
+                if take:
+                    if arrival is not None:
+                        arrival.arrived(part[:take])
+                    n -= take
+                    at += take
+                if at == len(views[i]):
+                    i, at = i + 1, 0
+                if take < len(part) or not n:
+                    break
 
     def status(self) -> None:
         """Read one simple reply (``+OK`` of a SET); an error reply raises ``ResponseError``."""

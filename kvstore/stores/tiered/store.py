@@ -369,6 +369,6 @@ def _lease_of(value: Value | Pieces, pool: BufferPool) -> Lease:
     return lease
 
 
-def _place_among(place: Place, asked: Sequence[int], i: int, view: memoryview) -> Iterator[memoryview]:
+def _place_among(place: Place, asked: Sequence[int], i: int, view: memoryview) -> Iterator[Sequence[memoryview]]:
     """``place`` for a tier asked for ``keys[j] for j in asked``: its value i is the batch's ``asked[i]``."""
     return place(asked[i], view)
