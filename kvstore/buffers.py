@@ -163,10 +163,14 @@ class ArrivalDigest:
 
     def arrived(self, piece: memoryview) -> None:
         """The value's next ``len(piece)`` bytes."""
-        take = min(len(piece), self._end - self._seen)
-        if take > 0:
-            self._hasher.update(piece[:take])
-        self._seen += len(piece)
+        seen = self._seen + len(piece)
+        if seen <= self._end:  # all of it before the trailer: the common case, called per buffer
+            self._hasher.update(piece)
+        else:
+            take = self._end - self._seen
+            if take > 0:
+                self._hasher.update(piece[:take])
+        self._seen = seen
 
     def digest(self) -> bytes | None:
         """The digest, or None for a value too short to be self-checked."""

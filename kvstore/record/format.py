@@ -615,7 +615,7 @@ def land_record(
         kv = None if header.codecs else destination()
     except CorruptRecordError:
         kv = None
-    if kv is None or sum(len(b) for b in kv) != header.raw_len:
+    if kv is None or sum(map(len, kv)) != header.raw_len:
         yield (view[payload_at:],)
         return
     landing.header, landing.payload_at, landing.kv = header, at, tuple(kv)

@@ -19,6 +19,8 @@ upgrade that changes them fails loudly instead of silently losing speed or corre
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import ssl
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -245,7 +247,7 @@ class DirectReplies:
         else:
             landed = 0
             for targets in land(view):
-                landed += sum(len(t) for t in targets)
+                landed += sum(map(len, targets))
                 if landed > size:
                     raise ValueError(f"the landing buffers exceed the {size}-byte value")
                 self._receive(targets, arrival)
@@ -274,13 +276,20 @@ class DirectReplies:
             at += take
             if at == len(v):
                 i, at = i + 1, 0
-        scatter = self._scatter
-        while i < len(views):
+        # Scattered: each call asks for the views that fit in one slice (whole, the first from
+        # where it stands); the list is cut from ``views`` and the hash walks only what arrived.
+        count = len(views)
+        sizes = list(map(len, views)) if self._scatter and count - i > 1 else None
+        ends = list(itertools.accumulate(sizes)) if sizes is not None else None
+        while i < count:
             v = views[i]
             if at == len(v):
                 i, at = i + 1, 0
                 continue
-            if not scatter or len(v) - at >= _RECV_SLICE:
+            j = i + 1
+            if ends is not None and len(v) - at < _RECV_SLICE:
+                j = bisect.bisect_right(ends, ends[i] - len(v) + at + _RECV_SLICE, i + 1, min(count, i + _IOV_MAX))
+            if j == i + 1 or sizes is None:
                 stop = len(v) if arrival is None else min(len(v), at + _RECV_SLICE)
                 n = self._sock.recv_into(v[at:stop])
                 if not n:
@@ -289,26 +298,31 @@ class DirectReplies:
                     arrival.arrived(v[at:at + n])
                 at += n
                 continue
-            parts, room, j = [v[at:]], len(v) - at, i + 1
-            while j < len(views) and room < _RECV_SLICE and len(parts) < _IOV_MAX:
-                part = views[j][:_RECV_SLICE - room]
-                parts.append(part)
-                room += len(part)
-                j += 1
-            n = self._sock.recvmsg_into(parts)[0]
+            first = v[at:]
+            n = self._sock.recvmsg_into([first, *views[i + 1:j]])[0]
             if not n:
                 raise redis.exceptions.ConnectionError("server closed the connection mid-value")
-            for part in parts:  # part k is views[i]'s next bytes (the last may be a head of it)
-                take = min(n, len(part))
-                if take:
+            rest = sizes[i] - at
+            if n < rest:
+                if arrival is not None:
+                    arrival.arrived(first[:n])
+                at += n
+                continue
+            if arrival is not None:
+                arrival.arrived(first)
+            n -= rest
+            i, at = i + 1, 0
+            while n:  # views i, i+1, ... were filled whole, the last one perhaps in part
+                size = sizes[i]
+                if n < size:
                     if arrival is not None:
-                        arrival.arrived(part[:take])
-                    n -= take
-                    at += take
-                if at == len(views[i]):
-                    i, at = i + 1, 0
-                if take < len(part) or not n:
+                        arrival.arrived(views[i][:n])
+                    at = n
                     break
+                if arrival is not None:
+                    arrival.arrived(views[i])
+                n -= size
+                i += 1
 
     def status(self) -> None:
         """Read one simple reply (``+OK`` of a SET); an error reply raises ``ResponseError``."""
