@@ -3,7 +3,8 @@ Redis, against the raw zero-copy client moving the same record bytes, in the sam
 
 The prefix is Llama-3-8B-shaped: 32 layers, 8 KV heads, head size 128, bf16, 128 KiB per token,
 256 MiB in 8 chunks of 256 tokens, in a paged cache of block size 16 whose 128 blocks sit at
-random ids (``flash-2bnhd`` layout, copied by the CPU kernels). Paths, interleaved per round:
+random ids (``--layout``: ``flash-2bnhd``, K and V apart, or vLLM CPU's ``vllm-cpu-vec``, one
+item per block). Paths, interleaved per round:
 
   raw zero-copy      pipelined SETs of the 8 encoded records / GETs into preallocated buffers
   kvstore save       ``save_sequence`` into a RedisStore: lookup, gather each chunk from the paged
@@ -44,7 +45,7 @@ import servers
 from common import cpu_self, machine, memory_limits
 
 from kvstore.keys import Namespace
-from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
+from kvstore.paged import CPUPackedLayout, FlashLayout, KVTransfer, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
 from kvstore.stores import TieredStore
 from kvstore.stores.redis import RedisStore
@@ -53,15 +54,23 @@ from kvstore.stores.redis.raw import RawRedis
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 256, 2048, 256
 
 
-def paged_cache(seed: int) -> list[torch.Tensor]:
+LAYOUTS = {"flash-2bnhd": (FlashLayout, (2, BLOCKS, BLOCK, HEADS, HEAD)),
+           "vllm-cpu-vec": (lambda: CPUPackedLayout("vec"), (BLOCKS, HEADS, BLOCK, 2 * HEAD))}
+
+
+def paged_cache(seed: int, layout: str = "flash-2bnhd") -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(2, BLOCKS, BLOCK, HEADS, HEAD, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
+    shape = LAYOUTS[layout][1]
+    return [torch.randn(*shape, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json", help="also write the figures as JSON here")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="flash-2bnhd",
+                        help="the paged cache's layout: flash-2bnhd (K and V apart, 32 KiB items) or vLLM CPU's "
+                             "vllm-cpu-vec (one 64 KiB item per block)")
     args = parser.parse_args()
     print(machine(), flush=True)
     print(f"memory: {memory_limits()}", flush=True)
@@ -74,20 +83,21 @@ def main() -> None:
 
 def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
-    ns = Namespace(model="bench-llama3-8b", kv_dtype="bfloat16", layout="flash-2bnhd", block_size=BLOCK,
+    make_layout = LAYOUTS[args.layout][0]
+    ns = Namespace(model="bench-llama3-8b", kv_dtype="bfloat16", layout=make_layout().name, block_size=BLOCK,
                    chunk_tokens=CHUNK, layer_end=LAYERS)
     tokens = rng.integers(0, 128000, TOKENS, dtype=np.uint32)
     src_blocks = rng.permutation(BLOCKS)[:TOKENS // BLOCK]
     dst_blocks = rng.permutation(BLOCKS)[:TOKENS // BLOCK]
-    src, dst = paged_cache(1), paged_cache(2)
+    src, dst = paged_cache(1, args.layout), paged_cache(2, args.layout)
     src_slots = slots_from_block_table(src_blocks.tolist(), BLOCK, TOKENS)
     dst_slots = slots_from_block_table(dst_blocks.tolist(), BLOCK, TOKENS)
     store = RedisStore.from_url(server.url)
     tiered = TieredStore([RedisStore.from_url(server.url)])
-    save_x = KVTransfer(PrefixCache(store, ns), src, FlashLayout())
-    tiered_x = KVTransfer(PrefixCache(tiered, ns), src, FlashLayout())
-    load_x = KVTransfer(PrefixCache(store, ns), dst, FlashLayout())
-    lease_x = KVTransfer(PrefixCache(store, ns), dst, FlashLayout(), land=False)
+    save_x = KVTransfer(PrefixCache(store, ns), src, make_layout())
+    tiered_x = KVTransfer(PrefixCache(tiered, ns), src, make_layout())
+    load_x = KVTransfer(PrefixCache(store, ns), dst, make_layout())
+    lease_x = KVTransfer(PrefixCache(store, ns), dst, make_layout(), land=False)
     kv_bytes = TOKENS * LAYERS * 2 * HEADS * HEAD * 2
 
     raw = RawRedis(port=server.port)
@@ -99,7 +109,9 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
     record_bytes = sum(len(v) for _, v in items)
     buffers = [memoryview(np.ones(len(v), dtype=np.uint8)) for _, v in items]
     assert load_x.load_sequence(tokens, dst_slots)[0] == TOKENS
-    ok = all(torch.equal(d[:, dst_blocks], s[:, src_blocks]) for d, s in zip(dst, src))
+    axis = 1 if args.layout == "flash-2bnhd" else 0  # the block axis
+    ok = all(torch.equal(d.index_select(axis, torch.from_numpy(dst_blocks)), s.index_select(axis, torch.from_numpy(src_blocks)))
+             for d, s in zip(dst, src))
     print(f"{TOKENS} tokens, {kv_bytes / 2**20:.0f} MiB of KV in {len(items)} records "
           f"({record_bytes / 2**20:.2f} MiB); loaded KV identical to the saved: {ok}", flush=True)
     if not ok:
