@@ -200,3 +200,18 @@ def test_every_redis_form_lands_and_a_tier_below_the_first_loads_from_its_lease(
         # Below a memory tier the hit is promoted from its lease, so it cannot land.
         assert _landed(_xfer(s, layout, fresh), TOKENS, slots) == (32, 0 if "memory" in kind else 4)
         assert _same(layout, caches, SAVED, fresh, slots)
+
+
+@pytest.mark.parametrize("land", [True, False])
+def test_the_adapters_land_in_cache_option(land):
+    from kvstore.connectors.agent import KVStoreAgent
+    from kvstore.connectors.vllm.options import parse_options
+
+    assert parse_options({"store": "memory://", "land_in_cache": land}).land_in_cache is land
+    caches = [torch.zeros(2, B, N, H, D, dtype=torch.bfloat16) for _ in range(2)]
+    agent = KVStoreAgent({"store": "memory://", "model": "m", "model_fingerprint": "f", "land_in_cache": land})
+    try:
+        xfer = agent.transfer(object(), caches)
+        assert (xfer._landing is not None) is land
+    finally:
+        agent.close()

@@ -41,6 +41,16 @@ def codec_option() -> Any:
         "'shuffle-lz4' saves ~15% on bf16 KV.")
 
 
+def land_in_cache_option() -> Any:
+    return option(
+        True, help="On a CPU engine, loads from Redis land each record's KV straight in the request's blocks as "
+        "it arrives, once its header passed every check (no copy out of a buffer); its checksum and tag are "
+        "checked as its last byte lands, and a record failing them leaves its blocks to be recomputed, like "
+        "every block past a hit. false: each record is received into a buffer, verified there, then copied "
+        "into the blocks, so no byte of a failed record reaches the cache, at the CPU of that copy "
+        "(benchmarks/results/cpu.md).")
+
+
 def switch_interval_option() -> Any:
     return option(
         DEFAULT_SWITCH_INTERVAL, kind="duration", lo=0.0, hi=0.005,

@@ -37,6 +37,11 @@ compressed frame and no trailing bytes), then, when given, the reader's namespac
 tokens, dtype, shapes, hidden state dtype and shape, destination size and keys; every failure
 is a ``CorruptRecordError``, raised before a byte reaches the caller's ``out``. Records are
 never unpickled: msgpack for the header, raw bytes after.
+
+``land_record`` is the same check for a record still arriving: frame, header and the reader's
+expectations before any KV byte lands in the reader's destination, then ``verify_landed``, the
+checksum and tag once the last byte is in (the destination then holds the failed record's
+bytes, and the reader must not count them as loaded).
 """
 
 from __future__ import annotations

@@ -124,7 +124,8 @@ class KVStoreAgent:
         if xfer is None:
             layout = self._layout(first)
             ns = self.namespace(kv_caches, start, layout.name, layout.block_size(first))
-            xfer = KVTransfer(PrefixCache(self.store, ns, codec=self.config.codec, auth=self._auth), kv_caches, layout)
+            xfer = KVTransfer(PrefixCache(self.store, ns, codec=self.config.codec, auth=self._auth), kv_caches, layout,
+                              land=self.config.land_in_cache)
             self._transfers[key] = xfer
         return xfer
 

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.config import build, check_options, option, safe_repr
-from kvstore.connectors.options import chunk_tokens_option, codec_option, store_option, switch_interval_option
+from kvstore.connectors.options import (
+    chunk_tokens_option,
+    codec_option,
+    land_in_cache_option,
+    store_option,
+    switch_interval_option,
+)
 from kvstore.connectors.roles import ROLE_NAMES, Role, parse_role
 from kvstore.errors import ConfigError
 from kvstore.record.auth import key_env_option, key_file_option, previous_window_option
@@ -49,6 +55,7 @@ class AgentConfig:
     local_rank: int = option(0, lo=0, hi=MAX_TP - 1, help="Accepted for vLLM V0 compatibility; not used by the agent.")
     codec: str = codec_option()
     switch_interval: float = switch_interval_option()
+    land_in_cache: bool = land_in_cache_option()
     kv_layout: str = option(
         "", choices=("", *LAYOUT_NAMES),
         help="`kvstore.paged` layout of the KV cache; empty infers it for 5-d (`flash-2bnhd`) and 3-d "

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstore.config import build, check_options, option
-from kvstore.connectors.options import chunk_tokens_option, codec_option, store_option, switch_interval_option
+from kvstore.connectors.options import (
+    chunk_tokens_option,
+    codec_option,
+    land_in_cache_option,
+    store_option,
+    switch_interval_option,
+)
 from kvstore.errors import ConfigError
 from kvstore.events import ENCODINGS, EventsConfig
 from kvstore.record.auth import (
@@ -98,6 +104,7 @@ class VLLMConnectorOptions:
         help="Size of the process's buffer pool that records are gathered into and received into "
         "(resident memory, pinned on CUDA). Must hold a load's records in flight plus queued saves.")
     switch_interval: float = switch_interval_option()
+    land_in_cache: bool = land_in_cache_option()
     window_interval: int = option(
         2048, lo=0, hi=MAX_TOKENS, help="Sliding-window KV cache groups (Gemma 2/3, gpt-oss...) store the window before a "
         "prompt's last hittable end and before the first chunk end at or past every multiple of this many "

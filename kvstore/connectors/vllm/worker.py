@@ -168,9 +168,10 @@ class WorkerSide:
             cache = PrefixCache(self.store, namespace, codec=self.opts.codec, auth=self.opts.record_auth(),
                                 count_tokens=counts)
             # KVTransfer checks layout, dtype, block size and layer count against the namespace.
-            self.transfers.append(KVTransfer(cache, layers, layout))
-            self._loaders.append(KVTransfer(cache, layers, layout))
-            self._savers.append(KVTransfer(cache, layers, layout))
+            land = self.opts.land_in_cache
+            self.transfers.append(KVTransfer(cache, layers, layout, land=land))
+            self._loaders.append(KVTransfer(cache, layers, layout, land=land))
+            self._savers.append(KVTransfer(cache, layers, layout, land=land))
             if counts and group.every_chunk and self._events_config is not None and self.events is None:
                 self._publish_events(cache)
         self.measure = WorkerMeasurements(self.store, cuda=caches[0].is_cuda)  # CUDA events time the forward
