@@ -55,7 +55,7 @@ from kvstore.buffers import BufferPool
 from kvstore.keys import Namespace
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
 from kvstore.stores import open_store
-from kvstore.stores.base import LeaseStream, Store, WrapperStore
+from kvstore.stores.base import LeaseStream, Place, Store, WrapperStore
 from kvstore.stores.redis.raw import RawRedis
 
 LAYERS, HEADS, HEAD, TOKENS = 32, 8, 128, 256
@@ -65,7 +65,7 @@ WINDOW = 64 << 20
 class HashAgain(WrapperStore):
     """The inner store's ``get_into`` with every lease's digest dropped: the decoder hashes."""
 
-    def get_into(self, keys, pool: BufferPool) -> LeaseStream:
+    def get_into(self, keys, pool: BufferPool, place: Place | None = None) -> LeaseStream:
         for lease in self.inner.get_into(keys, pool):
             if lease is not None:
                 lease.digest = None
@@ -75,7 +75,7 @@ class HashAgain(WrapperStore):
 class GenericRead(WrapperStore):
     """The store contract's default ``get_into`` over the inner store's ``get_many``."""
 
-    def get_into(self, keys, pool: BufferPool) -> LeaseStream:
+    def get_into(self, keys, pool: BufferPool, place: Place | None = None) -> LeaseStream:
         return Store.get_into(self.inner, keys, pool)
 
 

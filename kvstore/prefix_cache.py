@@ -50,6 +50,7 @@ bytes to place (``load``'s sink). Its promises:
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import time
@@ -124,6 +125,15 @@ class _Expect:
     hidden_dtype: str | None
     hidden_shape: Sequence[int] | None
     auth: TagKeys | None
+
+
+@functools.lru_cache(maxsize=64)
+def _takes_place(kind: type[Store]) -> bool:
+    """Whether ``kind.get_into`` takes ``place`` (a store written before it existed does not)."""
+    try:
+        return "place" in inspect.signature(kind.get_into).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def stored_by_tier(store: Store, shards: Sequence[Sequence[ChunkKey]]) -> list[int]:
@@ -291,7 +301,7 @@ class PrefixCache:
         placed = 0
         names = [k.key for k in keys]
         landings = None
-        if land is None:
+        if land is None or not _takes_place(type(self.store)):
             stream = self.store.get_into(names, self.pool)
         else:
             landings = [Landing() for _ in keys]

@@ -215,3 +215,19 @@ def test_the_adapters_land_in_cache_option(land):
         assert (xfer._landing is not None) is land
     finally:
         agent.close()
+
+
+def test_a_store_whose_get_into_predates_place_loads_from_its_leases():
+    from kvstore.stores.memory import MemoryStore
+
+    class Older(MemoryStore):
+        def get_into(self, keys, pool):  # the contract before ``place``
+            return super().get_into(keys, pool)
+
+    layout, caches = _cache("cpu")
+    store = Older()
+    _xfer(store, layout, caches).save_sequence(TOKENS, SAVED)
+    fresh = [torch.zeros_like(c) for c in caches]
+    slots = slots_from_block_table(list(range(12, 20)), N, 32)
+    assert _landed(_xfer(store, layout, fresh), TOKENS, slots) == (32, 0)
+    assert _same(layout, caches, SAVED, fresh, slots)

@@ -155,9 +155,9 @@ def test_loads_measure_each_tiers_read_speed_even_when_the_reader_stops_early():
     class SlowReads(MemoryStore):
         is_local = False
 
-        def get_into(self, keys, pool):
+        def get_into(self, keys, pool, place=None):
             time.sleep(0.05)
-            return super().get_into(keys, pool)
+            return super().get_into(keys, pool, place)
 
     fast, slow = MemoryStore(), SlowReads()
     store = TieredStore([fast, slow])

@@ -428,11 +428,11 @@ class SlowStore(MemoryStore):
         self._reading = 0
         self._reads = threading.Condition()
 
-    def get_into(self, keys, pool):
+    def get_into(self, keys, pool, place=None):
         with self._reads:
             self._reading += 1
         try:
-            for lease in super().get_into(keys, pool):
+            for lease in super().get_into(keys, pool, place):
                 time.sleep(self.delay)
                 yield lease
         finally:
