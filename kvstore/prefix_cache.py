@@ -50,7 +50,6 @@ bytes to place (``load``'s sink). Its promises:
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import threading
 import time
@@ -75,7 +74,7 @@ from kvstore.record import (
 )
 from kvstore.record.auth import RecordAuth, TagKeys
 from kvstore.record.codecs import resolve_chain
-from kvstore.stores.base import Store
+from kvstore.stores.base import Store, takes_place
 from kvstore.types import Buffer
 
 if TYPE_CHECKING:
@@ -125,15 +124,6 @@ class _Expect:
     hidden_dtype: str | None
     hidden_shape: Sequence[int] | None
     auth: TagKeys | None
-
-
-@functools.lru_cache(maxsize=64)
-def _takes_place(kind: type[Store]) -> bool:
-    """Whether ``kind.get_into`` takes ``place`` (a store written before it existed does not)."""
-    try:
-        return "place" in inspect.signature(kind.get_into).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def stored_by_tier(store: Store, shards: Sequence[Sequence[ChunkKey]]) -> list[int]:
@@ -301,7 +291,7 @@ class PrefixCache:
         placed = 0
         names = [k.key for k in keys]
         landings = None
-        if land is None or not _takes_place(type(self.store)):
+        if land is None or not takes_place(self.store):
             stream = self.store.get_into(names, self.pool)
         else:
             landings = [Landing() for _ in keys]

@@ -231,3 +231,21 @@ def test_a_store_whose_get_into_predates_place_loads_from_its_leases():
     slots = slots_from_block_table(list(range(12, 20)), N, 32)
     assert _landed(_xfer(store, layout, fresh), TOKENS, slots) == (32, 0)
     assert _same(layout, caches, SAVED, fresh, slots)
+
+
+def test_a_tiered_or_wrapped_store_over_an_older_store_loads_from_its_leases():
+    from kvstore.stores import TieredStore
+    from kvstore.stores.base import WrapperStore
+    from kvstore.stores.memory import MemoryStore
+
+    class Older(MemoryStore):
+        def get_into(self, keys, pool):
+            return super().get_into(keys, pool)
+
+    layout, caches = _cache("cpu")
+    for store in (TieredStore([Older()]), WrapperStore(Older())):
+        _xfer(store, layout, caches).save_sequence(TOKENS, SAVED)
+        fresh = [torch.zeros_like(c) for c in caches]
+        slots = slots_from_block_table(list(range(12, 20)), N, 32)
+        assert _landed(_xfer(store, layout, fresh), TOKENS, slots) == (32, 0)
+        assert _same(layout, caches, SAVED, fresh, slots)

@@ -43,6 +43,8 @@ Contract, for every backend:
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -54,7 +56,7 @@ from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.stores.speed import LinkSpeed
 from kvstore.types import Buffer
 
-__all__ = ["Buffer", "EvictionListener", "Evicting", "LeaseStream", "Place", "Store", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
+__all__ = ["Buffer", "EvictionListener", "Evicting", "LeaseStream", "Place", "Store", "takes_place", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
 
 #: What ``get`` returns for a hit: the value's bytes (a view of a buffer the caller now owns).
 Value = bytes | memoryview
@@ -68,6 +70,20 @@ Place = Callable[[int, memoryview], Iterator[Sequence[memoryview]]]
 EvictionListener = Callable[[Sequence[str]], None]
 
 log = logging.getLogger(__name__)
+
+
+def takes_place(store: Store) -> bool:
+    """Whether ``store.get_into`` takes ``place`` (a store written before it existed does not:
+    callers then leave it out, and every value comes in its lease)."""
+    return _takes_place(type(store))
+
+
+@functools.lru_cache(maxsize=128)
+def _takes_place(kind: type[Store]) -> bool:
+    try:
+        return "place" in inspect.signature(kind.get_into).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class StoreTier(Protocol):
@@ -277,6 +293,8 @@ class WrapperStore(Store):
         return self.inner.get_many(keys)
 
     def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
+        if place is None or not takes_place(self.inner):
+            return self.inner.get_into(keys, pool)
         return self.inner.get_into(keys, pool, place)
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from kvstore.buffers import BufferPool
 from kvstore.errors import StoreTimeoutError, StoreUnavailableError
 from kvstore.metrics.catalog import ERRORS, LATENCY
-from kvstore.stores.base import LeaseStream, Place, Store
+from kvstore.stores.base import LeaseStream, Place, Store, takes_place
 from kvstore.stores.speed import LinkSpeed
 from kvstore.stores.tiered.breaker import CLOSED, CircuitBreaker
 from kvstore.stores.tiered.config import TieredConfig
@@ -73,7 +73,8 @@ class Tier:
         start = time.perf_counter()
         yielded = nbytes = 0
         failed = False
-        inner = self.store.get_into(keys, pool, place) if place is not None else self.store.get_into(keys, pool)
+        placed = place is not None and takes_place(self.store)
+        inner = self.store.get_into(keys, pool, place) if placed else self.store.get_into(keys, pool)
         try:
             for lease in inner:
                 yielded += 1
