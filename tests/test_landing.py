@@ -212,7 +212,7 @@ def test_the_adapters_land_in_cache_option(land):
     agent = KVStoreAgent({"store": "memory://", "model": "m", "model_fingerprint": "f", "land_in_cache": land})
     try:
         xfer = agent.transfer(object(), caches)
-        assert (xfer._landing is not None) is land
+        assert xfer.lands_in_cache is land
     finally:
         agent.close()
 

@@ -649,3 +649,21 @@ def test_the_prefill_timer_stops_at_the_first_of_transfer_results_and_wait_for_s
     worker.wait_for_save()  # after the drafter: no further reading
     seen = worker.worker.measure.take()
     assert (seen.prefill_tokens, seen.prefill_seconds) == (PREFILL_SAMPLE_TOKENS, 1.0)
+
+
+def test_kvstore_logs_through_vllms_handlers_unless_logging_was_set_up(monkeypatch):
+    import logging
+
+    from kvstore.connectors.vllm.connector import log_through_vllm
+
+    ours, theirs, root = logging.getLogger("kvstore"), logging.getLogger("vllm"), logging.getLogger()
+    handler = logging.StreamHandler()
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(theirs, "handlers", [handler])
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])
+    log_through_vllm()
+    assert ours.handlers == []  # the application configured logging: left alone
+    monkeypatch.setattr(root, "handlers", [])
+    log_through_vllm()
+    assert ours.handlers == [handler] and ours.getEffectiveLevel() == theirs.getEffectiveLevel()

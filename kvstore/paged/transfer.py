@@ -102,6 +102,12 @@ class KVTransfer:
         # torch leaves torch.cuda.Stream's constructor unannotated.
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
 
+    @property
+    def lands_in_cache(self) -> bool:
+        """Whether loads land records straight in the cache's blocks (a store that receives piece
+        by piece permitting): a CPU cache of whole-block items, and ``land`` not turned off."""
+        return self._landing is not None
+
     # -- helpers ---------------------------------------------------------------------------
     def usable_tokens(self, num_tokens: int) -> int:
         """How many leading tokens of a ``num_tokens`` sequence this layout can store or load."""

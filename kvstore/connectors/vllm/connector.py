@@ -68,6 +68,20 @@ __all__ = ["KVStoreConnector", "KVStoreConnectorMetadata"]
 log = logging.getLogger("kvstore.vllm")
 
 
+def log_through_vllm() -> None:
+    """kvstore's log lines out through vLLM's handlers, at vLLM's level, when nothing else takes
+    them: vLLM configures its own logger only, so without this only kvstore's warnings would
+    reach stderr, bare, and its start-up and load lines never. An application that configured
+    logging (the root logger or ``kvstore``'s) keeps its own set-up."""
+    ours, theirs = logging.getLogger("kvstore"), logging.getLogger("vllm")
+    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+
+
 class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1):  # type: ignore[misc]
     """vLLM V1 connector over kvstore; see the module docstring. kvstore's metrics reach vLLM's
     own ``/metrics`` through its stats API (``PublishesKVStoreStats``). It declares ``SupportsHMA``:
@@ -79,6 +93,7 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
         import vllm
 
         check_vllm_version(vllm.__version__)
+        log_through_vllm()
         ktc = self._kv_transfer_config
         self.opts = parse_options(ktc.kv_connector_extra_config)
         lower_switch_interval(self.opts.switch_interval, who="KVStoreConnector")

@@ -176,9 +176,10 @@ class WorkerSide:
                 self._publish_events(cache)
         self.measure = WorkerMeasurements(self.store, cuda=caches[0].is_cuda)  # CUDA events time the forward
         log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, KV cache groups %s, namespace %s, "
-                 "load %s, save %s", self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
+                 "load %s%s, save %s", self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
                  self._layouts[0].name, [f"{g.kind}:{len(g.layers)}" for g in self.groups], self.namespaces[0].id,
-                 self.opts.load_mode, self.opts.save_mode)
+                 self.opts.load_mode, " (landing in the blocks)" if any(t.lands_in_cache for t in self.transfers) else "",
+                 self.opts.save_mode)
 
     def _publish_events(self, cache: PrefixCache) -> None:
         """KV events for routers (``kv_events_endpoint``): rank 0 announces the saves of the first
