@@ -498,7 +498,8 @@ def _expect(header: RecordHeader, namespace: Namespace | None, chunk: ChunkKey |
         raise _fail("record token ids differ from the requested prefix", "tokens")
     if dtype is not None and header.dtype != dtype:
         raise _fail(f"record dtype {header.dtype} differs from expected {dtype}", "shape")
-    if shapes is not None and header.shapes != tuple(tuple(int(d) for d in s) for s in shapes):
+    if shapes is not None and header.shapes != (shapes if type(shapes) is tuple else tuple(shapes)) \
+            and header.shapes != tuple(tuple(int(d) for d in s) for s in shapes):
         raise _fail(f"record shapes {list(header.shapes)} differ from expected", "shape")
     if header.hidden_dtype is not None:
         if hidden_dtype is not None and header.hidden_dtype != hidden_dtype:
