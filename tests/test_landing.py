@@ -1,5 +1,5 @@
 """Loads that land records straight in a CPU cache's blocks (``record.land_record``), on a real
-redis-server: the KV is what was saved, on every layout with whole-block items; a record that
+redis-server (and Redis Cluster, shards, files): the KV is what was saved, on every layout with whole-block items; a record that
 fails its header checks never writes a byte in its blocks; one that fails its checksum or tag
 after landing is a miss, counted and deleted, and the next save heals it; blocks before
 ``skip_tokens`` are never written; records that cannot land load as before."""
@@ -175,12 +175,15 @@ def shard_servers(redis_server_factory):
     return [redis_server_factory() for _ in range(2)]
 
 
-@pytest.mark.parametrize("kind", ["cluster", "shards", "tiered", "tiered, memory first"])
-def test_every_redis_form_lands_and_a_tier_below_the_first_loads_from_its_lease(kind, request, redis_server):
-    if kind == "cluster":
+@pytest.mark.parametrize("kind", ["cluster", "shards", "tiered", "tiered, memory first", "file"])
+def test_every_redis_form_and_files_land_and_a_tier_below_the_first_loads_from_its_lease(kind, request, redis_server,
+                                                                                        tmp_path):
+    if kind == "file":
+        url: str | list[str] = f"file://{tmp_path}/kv"
+    elif kind == "cluster":
         cluster = request.getfixturevalue("redis_cluster")
         cluster.flushall()
-        url: str | list[str] = cluster.url
+        url = cluster.url
     elif kind == "shards":
         shards = request.getfixturevalue("shard_servers")
         for s in shards:

@@ -43,7 +43,7 @@ def codec_option() -> Any:
 
 def land_in_cache_option() -> Any:
     return option(
-        True, help="On a CPU engine, loads from Redis land each record's KV straight in the request's blocks as "
+        True, help="On a CPU engine, loads from Redis and files land each record's KV straight in the request's blocks as "
         "it arrives, once its header passed every check (no copy out of a buffer); its checksum and tag are "
         "checked as its last byte lands, and a record failing them leaves its blocks to be recomputed, like "
         "every block past a hit. false: each record is received into a buffer, verified there, then copied "

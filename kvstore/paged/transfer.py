@@ -9,7 +9,7 @@ slots) it saves chunks through a ``PrefixCache`` and loads the longest stored pr
 * Load: records arrive in leased pool buffers, are verified in place, and are scattered into the
   paged cache straight from there (on an accelerator: one host-to-device copy of the record's
   bytes from the pinned buffer they arrived in, on a side stream, then the scatter on the device).
-  On a CPU cache a store that receives piece by piece (Redis) lands each record's KV in the
+  On a CPU cache a store that receives piece by piece (Redis, files) lands each record's KV in the
   blocks themselves, once its header passed every check; its checksum and tag are checked
   when its last byte is in, and a record that fails them is a miss like any other.
 

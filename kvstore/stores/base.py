@@ -22,7 +22,7 @@ Contract, for every backend:
   ``digest`` (the xxh3-64 of all but the value's last 8 bytes, ``ArrivalDigest``) computed as
   the value arrived; it must then be exactly that, since readers check records against it.
   (The tiered store hands its tiers' leases through; values it copies carry none.)
-* ``get_into(keys, pool, place=place)``: a backend that receives values piece by piece (Redis)
+* ``get_into(keys, pool, place=place)``: a backend that receives values piece by piece (Redis, files)
   may land value i where the reader says instead of all in its lease: it calls ``place(i,
   view)`` with the lease's full-size ``view``, before any byte arrives, and fills the buffers of
   each sequence the iterator yields, completely and in order, before asking for the next;
