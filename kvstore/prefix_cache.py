@@ -310,7 +310,7 @@ class PrefixCache:
                     result.reason = "miss"
                     break
                 try:
-                    landing = landings[i] if landings is not None and landings[i].header is not None else None
+                    landing = landings[i] if landings is not None and landings[i].landed_in(lease.view) else None
                     if not self._place(lease, chunk, arr, expect, sink, result, landing):
                         break
                 finally:

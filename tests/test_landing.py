@@ -252,3 +252,71 @@ def test_a_tiered_or_wrapped_store_over_an_older_store_loads_from_its_leases():
         slots = slots_from_block_table(list(range(12, 20)), N, 32)
         assert _landed(_xfer(store, layout, fresh), TOKENS, slots) == (32, 0)
         assert _same(layout, caches, SAVED, fresh, slots)
+
+
+def test_a_tier_failing_mid_record_leaves_no_landing_for_the_tier_below(store):
+    """The first tier lands a record's header and then garbage KV and fails; the tier below (a
+    real redis-server, whose leases carry a valid arrival digest) has the record. Its lease must
+    be decoded and scattered, not taken as the landed record (whose checksum it would pass)."""
+    from kvstore.buffers import lease_or_fresh
+    from kvstore.errors import StoreUnavailableError
+    from kvstore.stores import TieredStore
+    from kvstore.stores.memory import MemoryStore
+
+    class FailsMidRecord(MemoryStore):
+        is_local = False
+
+        def get_into(self, keys, pool, place=None):
+            for i, key in enumerate(keys):
+                value = self.get(key)
+                if value is None or place is None:
+                    yield None
+                    continue
+                lease = lease_or_fresh(pool, len(value), 0)
+                at = 0
+                for buffers in place(i, lease.view):
+                    for b in buffers:
+                        if len(buffers) > 1:  # the KV, landing in the cache: garbage, then the link drops
+                            b[:] = b"\xff" * len(b)
+                            lease.release()
+                            raise StoreUnavailableError("connection lost mid-record")
+                        b[:] = value[at:at + len(b)]
+                        at += len(b)
+
+    layout, caches = _cache("cpu")
+    tiered = TieredStore([FailsMidRecord(), store])
+    _xfer(tiered, layout, caches).save_sequence(TOKENS, SAVED)
+    assert tiered.flush(10)
+    fresh = [torch.zeros_like(c) for c in caches]
+    slots = slots_from_block_table(list(range(12, 20)), N, 32)
+    n, landed = _landed(_xfer(tiered, layout, fresh), TOKENS, slots)
+    assert (n, landed) == (32, 0)
+    assert _same(layout, caches, SAVED, fresh, slots)
+
+
+def test_a_landing_counts_only_for_the_view_its_last_run_landed_in():
+    """A store that retries a value on a fresh buffer runs ``place`` again: what the abandoned
+    run landed no longer counts, and a value that then lands whole in its view is decoded."""
+    from kvstore.record import Landing, decode_record, land_record
+    from kvstore.stores.memory import MemoryStore
+
+    layout, caches = _cache("cpu")
+    mem = MemoryStore()
+    _xfer(mem, layout, caches).save_sequence(TOKENS, SAVED)
+    value = bytes(mem.get(next(mem.iter_keys())))
+    kv = memoryview(bytearray(len(decode_record(value).kv)))
+    landing = Landing()
+
+    def run(view, destination):
+        at = 0
+        for buffers in land_record(view, landing, destination):
+            for b in buffers:
+                b[:] = value[at:at + len(b)]
+                at += len(b)
+
+    first, second = memoryview(bytearray(len(value))), memoryview(bytearray(len(value)))
+    run(first, lambda: [kv])
+    assert landing.landed_in(first) and not landing.landed_in(second)
+    run(second, lambda: None)  # the retry, on a fresh buffer, lands whole in its view
+    assert not landing.landed_in(first) and not landing.landed_in(second)
+    assert decode_record(second).kv == kv

@@ -570,14 +570,24 @@ def decode_record(
 
 class Landing:
     """Where ``land_record`` put one record: after its run, ``kv`` holds the destination buffers
-    its KV bytes went to (empty: the whole record went to the view, for ``decode_record``)."""
+    its KV bytes went to (empty: the whole record went to the view, for ``decode_record``).
 
-    __slots__ = ("header", "kv", "payload_at")
+    A reader may get the key's value from somewhere other than the run that landed it (a tier
+    that failed mid-record, then the tier below; a retry on a fresh buffer): ``landed_in(view)``
+    says whether the value in ``view`` is the one whose KV went to the destination."""
+
+    __slots__ = ("header", "kv", "payload_at", "view")
 
     def __init__(self) -> None:
         self.header: RecordHeader | None = None
         self.payload_at = 0
         self.kv: tuple[memoryview, ...] = ()
+        self.view: memoryview | None = None
+
+    def landed_in(self, view: memoryview) -> bool:
+        """Whether the last ``land_record`` run landed the record now in ``view`` (that very
+        memoryview object, kept alive here so that no other buffer's view can take its id)."""
+        return self.header is not None and self.view is view
 
 
 def land_record(
@@ -603,7 +613,9 @@ def land_record(
     mismatched or compressed one, or one ``destination`` declines (None), lands whole in
     ``view``, where ``decode_record`` then judges it. A landed record's checksum and tag are
     only known once its last byte is in: ``verify_landed`` checks them, and until it accepts
-    the record its destination holds bytes no one may use."""
+    the record its destination holds bytes no one may use. Each run starts ``landing`` afresh:
+    what an earlier, abandoned run landed no longer counts."""
+    landing.header, landing.kv, landing.view = None, (), view
     size = len(view)
     if size <= FRAME_BYTES:
         yield (view,)
@@ -636,8 +648,8 @@ def verify_landed(view: memoryview, landing: Landing, *, auth: TagKeys | None = 
     with ``auth``, its tag over the header, the KV where it lies and the hidden state. A
     ``CorruptRecordError`` if either fails: the destination then holds the failed record's bytes."""
     header = landing.header
-    if header is None:
-        raise ValueError("verify_landed needs a record land_record landed")
+    if header is None or not landing.landed_in(view):
+        raise ValueError("verify_landed needs the record land_record landed in this view")
     at, end = landing.payload_at, landing.payload_at + header.payload_len
     checksum = bytes(view[len(view) - CHECKSUM_BYTES:])
     if digest is None or digest != checksum:
