@@ -424,10 +424,28 @@ class RedisStoreBase(Store):
         return started
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        return [bool(n) for n in self._pipeline(("exists", (self._key(k),), {}) for k in keys)]
+        return [n > 0 for n in self._integers("EXISTS", "exists", keys)]
 
     def delete_many(self, keys: Sequence[str]) -> int:
-        return sum(self._pipeline(("delete", (self._key(k),), {}) for k in keys))
+        return sum(self._integers("DEL", "delete", keys))
+
+    def _integers(self, command: str, method: str, keys: Sequence[str]) -> list[int]:
+        """``command key`` for each of ``keys``, pipelined, and the integer replies in order: over
+        a direct socket where one connection serves every key (no per-command Python of
+        redis-py's pipeline), else through the client's pipeline (``method``: a cluster's
+        follows each slot to its node)."""
+        pool = self._direct_pool() if keys else None
+        if pool is None:
+            return [int(n) for n in self._pipeline((method, (self._key(k),), {}) for k in keys)]
+        out: list[int] = []
+
+        def on_reply(reader: hooks.DirectReplies, _: int) -> int:
+            out[:] = reader.integers(len(keys))
+            return 0
+
+        with self._errors():  # the whole batch as one "command": sent at once, retried whole
+            exchange(pool, [[hooks.pack_key_commands(command, map(self._key, keys))]], on_reply, self.config.retries)
+        return out
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         # STRLEN cannot tell an empty value from a missing key; EXISTS beside it can.

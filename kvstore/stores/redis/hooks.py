@@ -122,6 +122,14 @@ class ZeroCopyPacker:
         return small
 
 
+def pack_key_commands(command: str, keys: Iterable[str]) -> bytes:
+    """``command key`` for each of ``keys`` as one RESP buffer (a pipelined batch of small
+    commands: one ``sendall``, no per-command packing)."""
+    name = command.encode()
+    head = b"*2\r\n$%d\r\n%s\r\n" % (len(name), name)
+    return b"".join(head + b"$%d\r\n%s\r\n" % (len(k), k) for k in map(str.encode, keys))
+
+
 def _bulk(arg: Any) -> Any:
     if isinstance(arg, str):
         return arg.encode()
@@ -323,6 +331,18 @@ class DirectReplies:
                     arrival.arrived(views[i])
                 n -= size
                 i += 1
+
+    def integers(self, count: int) -> list[int]:
+        """Read ``count`` integer replies (EXISTS, DEL); an error reply raises ``ResponseError``."""
+        out = []
+        for _ in range(count):
+            line = self._line()
+            if line[:1] != b":":
+                if line[:1] == b"-":
+                    raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
+                raise redis.exceptions.InvalidResponse(f"unexpected integer reply: {line[:40]!r}")
+            out.append(int(line[1:]))
+        return out
 
     def status(self) -> None:
         """Read one simple reply (``+OK`` of a SET); an error reply raises ``ResponseError``."""

@@ -176,8 +176,7 @@ class ShardedRedisStore(RedisStoreBase):
         return self._fan(keys, RedisStore.exists_many)
 
     def delete_many(self, keys: Sequence[str]) -> int:
-        return sum(self._fan(keys, lambda shard, share: shard._pipeline(("delete", (shard._key(k),), {})
-                                                                        for k in share)))
+        return sum(self._fan(keys, lambda shard, share: shard._integers("DEL", "delete", share)))
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         return self._fan(keys, RedisStore.size_many)
