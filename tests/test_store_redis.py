@@ -73,6 +73,26 @@ def test_direct_reads_hash_each_value_as_it_arrives(redis_server):
         lease.release()
 
 
+def test_lookups_and_deletes_read_integer_replies_and_map_error_replies(redis_server_factory):
+    """EXISTS and DEL batches go over a direct socket: keys of any bytes (UTF-8, CR LF) are sent
+    length-prefixed, replies come back in order, and an error reply (here the server has no
+    EXISTS or DEL: renamed away) is an outage, never a miss."""
+    server = redis_server_factory()
+    keys = [f"kvs2/t/{i}" for i in range(5)] + ["kvs2/t/é\r\nx"]
+    with open_store(server.url + "?prefix=p/") as store:
+        store.put_many([(k, b"v") for k in keys[:3] + keys[5:]])
+        assert store.exists_many(keys) == [True, True, True, False, False, True]
+        assert store.longest_prefix(keys) == 3
+        assert store.delete_many(keys[1:]) == 3
+        assert store.exists_many(keys) == [True] + [False] * 5
+    locked = redis_server_factory("--rename-command", "EXISTS", "", "--rename-command", "DEL", "")
+    with open_store(locked.url) as store:
+        store.put("kvs2/t/a", b"v")
+        for call in (lambda: store.longest_prefix(["kvs2/t/a"]), lambda: store.delete_many(["kvs2/t/a"])):
+            with pytest.raises(StoreUnavailableError, match="unknown command"):
+                call()
+
+
 def test_ttl_and_prefix_are_applied(redis_server):
     redis_server.flushall()
     with open_store(redis_server.url + "/0?ttl=90s&prefix=kv/") as store:

@@ -13,7 +13,8 @@ socket calls; ``get_into`` yields value i while values after it are still arrivi
 ``put_many`` sends value i while its caller produces value i+1. GETs go out in waves under one
 budget per batch (about 64 MiB of replies requested ahead, whatever the number of connections:
 ``waves.py``), so the server never builds a whole batch of large replies before sending the
-first.
+first. On one server, batches of EXISTS and DEL (lookups, discards) go over a direct socket
+too, as one packed buffer whose integer replies are read in place.
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
 ``StoreUnavailableError`` raised from it (``StoreTimeoutError`` when a deadline expired); a
