@@ -41,6 +41,9 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
                      destination (``np.copyto``, as kvstore's load sink does): the CPU a raw client
                      spends to place the bytes where a load does, without verifying them (its store
                      is the raw client's)
+  raw + xxh3         the raw client plus one xxh3 pass over each value, before its SET and after its
+                     GET (``RawPathChecksum``): the least a client that checksums what it stores pays
+                     (kvstore hashes each slice as it is sent or lands, not in a pass of its own)
   raw, 4 connections the same client over kvstore's 4 connections, a thread and every 4th record
                      each (``RawPathSpread``): the ceiling of a client with four connections
   kvstore cache      PrefixCache.save (lookup to skip stored chunks, xxh3 over the payload, the
@@ -92,6 +95,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")  # its per-op INFO lines c
 
 import numpy as np
 import torch
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -366,6 +370,25 @@ class RawPathCopy(RawPath):
             np.copyto(self.dest[i], src)
 
 
+class RawPathChecksum(RawPath):
+    """The raw client plus one xxh3 pass over each value (all but its 8-byte trailer: what a
+    record's checksum covers): the least a client that checksums what it stores pays on top of
+    the raw one. Hashed in a pass of its own, before the SETs and after the GETs; kvstore hashes
+    each slice as it is sent or lands instead. The same connection and records as ``RawPath``."""
+
+    def __init__(self, raw: RawPath) -> None:
+        self.client, self.items, self.buffers, self.window = raw.client, raw.items, raw.buffers, raw.window
+        self.digests: list[bytes] = []
+
+    def put(self) -> None:
+        self.digests = [xxhash.xxh3_64_digest(v[:len(v) - 8]) for _, v in self.items]
+        super().put()
+
+    def get(self) -> None:
+        super().get()
+        self.digests = [xxhash.xxh3_64_digest(b[:len(b) - 8]) for b in self.buffers]
+
+
 class RawPathSpread(RawPath):
     """The raw client over as many connections as kvstore's RedisStore uses (``connections``,
     4), each with a thread of its own and every n-th record: redis 7.0 without ``maxmemory``
@@ -447,6 +470,7 @@ def stats(values: list[float]) -> tuple[float, float, float]:
 RAW = "raw zero-copy client"
 RAW4 = "raw zero-copy client, 4 connections"
 RAWC = "raw zero-copy client + copy into the destination"
+RAWH = "raw zero-copy client + xxh3 of each value"
 KV_CACHE = "kvstore PrefixCache save/load"
 KV_LEASED = "kvstore PrefixCache, loads from leases (no land)"
 KV_STORE = "kvstore RedisStore put_many/get_many"
@@ -468,8 +492,9 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
     # name: (put, get, lookups {label: fn})
     spread = RawPathSpread(server.port, kv, kv.store.config.connections)
     copying = RawPathCopy(ceiling, data)
+    checksumming = RawPathChecksum(ceiling)
     paths = {RAW: (ceiling.put, ceiling.get, {}), RAWC: (ceiling.put, copying.get, {}),
-             RAW4: (spread.put, spread.get, {})}
+             RAWH: (checksumming.put, checksumming.get, {}), RAW4: (spread.put, spread.get, {})}
     if peer:
         paths[LM_REDIS] = (lm["redis"].store, lm["redis"].get, {"LMCache redis:// lookup": lm["redis"].lookup})
         paths[LM_RESP] = (lm["resp"].store, lm["resp"].get, {"LMCache resp:// lookup": lm["resp"].lookup})
@@ -649,7 +674,7 @@ def render(results: dict, reps: int, peer: bool = True, limits: str = "") -> str
         out += ["", "Ratios of medians (above 1: the first path is faster):", "",
                 "| path | vs | store | retrieve |", "|---|---|---|---|"]
         for kpath in (KV_CACHE, KV_STORE):
-            for other in (RAW, RAWC, RAW4, LM_REDIS, LM_RESP):
+            for other in (RAW, RAWC, RAWH, RAW4, LM_REDIS, LM_RESP):
                 if other not in res["paths"]:
                     continue
                 kp, kg = res["paths"][kpath]
@@ -682,6 +707,9 @@ def summary_lines(results: dict) -> list[str]:
             line += f" cpu_per_gb_ratio_to_raw store={kc[0] / rc[0]:.2f} load={kc[1] / rc[1]:.2f}"
             if RAWC in res["cpu"]:
                 line += f" load_cpu_ratio_to_raw_plus_copy={kc[1] / res['cpu'][RAWC][1]:.2f}"
+            if RAWH in res["cpu"]:
+                hc = res["cpu"][RAWH]
+                line += f" cpu_ratio_to_raw_plus_checksum store={kc[0] / hc[0]:.2f} load={kc[1] / hc[1]:.2f}"
         if RAW4 in res["paths"]:
             sp, sg = res["paths"][RAW4]
             line += f" ratio_to_raw_4conn store={kp[0] / sp[0]:.2f} load={kg[0] / sg[0]:.2f}"
