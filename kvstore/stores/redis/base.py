@@ -444,8 +444,10 @@ class RedisStoreBase(Store):
             out[:] = reader.integers(len(keys))
             return 0
 
-        with self._errors():  # the whole batch as one "command": sent at once, retried whole
-            exchange(pool, [[hooks.pack_key_commands(command, map(self._key, keys))]], on_reply, self.config.retries)
+        # The whole batch as one "command" (send_all joins its small pieces): sent at once, retried whole.
+        batch = [piece for k in keys for piece in hooks.pack_command(command, self._key(k))]
+        with self._errors():
+            exchange(pool, [batch], on_reply, self.config.retries)
         return out
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:

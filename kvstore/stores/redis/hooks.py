@@ -122,14 +122,6 @@ class ZeroCopyPacker:
         return small
 
 
-def pack_key_commands(command: str, keys: Iterable[str]) -> bytes:
-    """``command key`` for each of ``keys`` as one RESP buffer (a pipelined batch of small
-    commands: one ``sendall``, no per-command packing)."""
-    name = command.encode()
-    head = b"*2\r\n$%d\r\n%s\r\n" % (len(name), name)
-    return b"".join(head + b"$%d\r\n%s\r\n" % (len(k), k) for k in map(str.encode, keys))
-
-
 def _bulk(arg: Any) -> Any:
     if isinstance(arg, str):
         return arg.encode()
@@ -142,6 +134,9 @@ def pack_command(*args: Any) -> list[Any]:
     """One RESP command as the buffers to ``send_all`` in order: small parts joined, large
     arguments passed through as they are (no copy), a ``Pieces`` argument as itself, so that
     ``send_all`` streams it (its trailer is computed as its bytes are sent)."""
+    if all(type(arg) is str for arg in args):  # GET, EXISTS, DEL of keys: the lookups' and loads' common case
+        encoded = [arg.encode() for arg in args]
+        return [b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(e), e) for e in encoded)]
     out: list[Any] = []
     head = [b"*%d\r\n" % len(args)]
     for arg in args:
