@@ -20,6 +20,12 @@ then each round loads it through every path in turn:
   shards x2, x3          the same over ``redis+shards://`` of 2 and 3 redis-servers
   shm                    the same over ``shm://`` (/dev/shm): records verified and scattered
                          straight from their mapping
+  cold shm over redis    a host tier that does not hold the prefix yet (``shm://`` over the one
+                         redis-server, its records removed from the shm tier before each load):
+                         each record lands in the blocks from Redis, then is promoted into the
+                         shm tier from the blocks; "... leases" is the same with ``land=False``
+                         (received into pooled buffers, verified, scattered, promoted from the
+                         buffer): what a tier below the first cost before it could land
   scatter only           the copy alone of every chunk's KV bytes from resident buffers into
                          the paged cache (``kernels.host_copy``, one thread): what placing the
                          bytes costs before anything is read or verified
@@ -61,6 +67,7 @@ from kvstore.keys import Namespace
 from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
 from kvstore.paged.kernels import host_copy, host_layers
 from kvstore.prefix_cache import PrefixCache
+from kvstore.stores import TieredStore
 from kvstore.stores.redis import RedisStore, ShardedRedisStore
 from kvstore.stores.redis.raw import RawRedis
 from kvstore.stores.shm import ShmStore
@@ -98,21 +105,22 @@ def main() -> None:
     print(apply_switch_interval(args.switch_interval), flush=True)
     print(f"memory: {memory_limits()}", flush=True)
     reds = [servers.RedisServer() for _ in range(3)]
-    shm = None
+    shms: list[ShmStore] = []
     try:
-        shm = ShmStore.from_url(f"shm://bench-tiers-{os.getpid()}?max_bytes=2GiB")
-        run(reds, shm, args)
+        for name in ("", "-cold"):
+            shms.append(ShmStore.from_url(f"shm://bench-tiers{name}-{os.getpid()}?max_bytes=2GiB"))
+        run(reds, *shms, args)
     finally:
-        if shm is not None:
-            import shutil
+        import shutil
 
+        for shm in shms:
             shm.close()
             shutil.rmtree(shm.root, ignore_errors=True)
         for s in reds:
             s.close()
 
 
-def run(reds: list[servers.RedisServer], shm: ShmStore, args: argparse.Namespace) -> None:
+def run(reds: list[servers.RedisServer], shm: ShmStore, cold_shm: ShmStore, args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     tokens_all = rng.integers(0, 128000, max(PREFIXES), dtype=np.uint32)
     need = max(PREFIXES) // BLOCK
@@ -131,9 +139,12 @@ def run(reds: list[servers.RedisServer], shm: ShmStore, args: argparse.Namespace
         "shards x3": ShardedRedisStore.from_url("redis+shards://" + ",".join(f"127.0.0.1:{p}" for p in ports) + slow),
         "shm": shm,
     }
+    cold = TieredStore([cold_shm, RedisStore.from_url(reds[0].url + slow)])
+    cold_paths = {"cold shm over redis x1": True, "cold shm over redis x1, leases": False}  # land
     pids = [server_pid(s) for s in reds]
     used = {"redis x1": pids[:1], "shards x2": pids[:2], "shards x3": pids, "shm": [], "scatter only": [],
-            "raw 1 server": pids[:1], "raw 1 server, all at once": pids[:1], "memcpy": []}
+            "raw 1 server": pids[:1], "raw 1 server, all at once": pids[:1], "memcpy": [],
+            **{name: pids[:1] for name in cold_paths}}
     raw = RawRedis(port=reds[0].port)
     results: dict[str, dict] = {}
     for n_tokens in PREFIXES:
@@ -147,15 +158,20 @@ def run(reds: list[servers.RedisServer], shm: ShmStore, args: argparse.Namespace
             saver.save_sequence(tokens, src_slots)
             store.flush(60)
             loaders[name] = KVTransfer(PrefixCache(store, ns), dst, FlashLayout())
+        for name, land in cold_paths.items():  # the records redis x1 holds
+            loaders[name] = KVTransfer(PrefixCache(cold, ns), dst, FlashLayout(), land=land)
+        keys = [k.key for k in loaders["redis x1"].cache.keys(tokens)]
         for name, loader in loaders.items():
             for d in dst:
                 d.zero_()
+            cold_shm.delete_many(keys)
             n, _ = loader.load_sequence(tokens, dst_slots)
+            if name in cold_paths and not all(cold_shm.exists_many(keys)):
+                raise SystemExit(f"{name}: the records were not promoted into the shm tier")
             ok = n == n_tokens and all(torch.equal(d[:, dst_blocks[:n_tokens // BLOCK]],
                                                    s[:, src_blocks[:n_tokens // BLOCK]]) for d, s in zip(dst, src))
             if not ok:
                 raise SystemExit(f"{name}: loaded KV differs from the saved KV ({n} of {n_tokens} tokens)")
-        keys = [k.key for k in loaders["redis x1"].cache.keys(tokens)]
         records = stores["redis x1"].get_many(keys)
         buffers = [memoryview(np.ones(len(r), dtype=np.uint8)) for r in records]  # touched: resident
         window = max(1, WINDOW // max(len(r) for r in records))
@@ -186,6 +202,8 @@ def run(reds: list[servers.RedisServer], shm: ShmStore, args: argparse.Namespace
         loads = [os.getloadavg()[0]]
         for rep in range(args.reps + 1):
             for name, fn in paths.items():
+                if name in cold_paths:
+                    cold_shm.delete_many(keys)  # untimed: the host tier does not hold the prefix
                 c0, s0 = cpu_self(), sum(cpu_of(p) for p in used[name])
                 t = time.perf_counter()
                 fn()
@@ -210,6 +228,7 @@ def run(reds: list[servers.RedisServer], shm: ShmStore, args: argparse.Namespace
         results[str(n_tokens)] = {"kv_bytes": kv_bytes, "records": len(keys), "loads": loads, "rates": rates,
                                   "cpu_client_s": cpu, "medians": med}
     raw.close()
+    cold.tiers[1].store.close()
     for name, store in stores.items():
         if name != "shm":
             store.close()

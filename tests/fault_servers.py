@@ -171,8 +171,8 @@ class Counting(WrapperStore):
         """``get_into`` is a generator: the call is logged when its stream has run (or failed)."""
         counted = self._counted("get_into", lambda *args: list(method(*args)))
 
-        def call(keys, pool):
-            leases = counted(keys, pool)
+        def call(keys, pool, place=None):
+            leases = counted(keys, pool) if place is None else counted(keys, pool, place)
             try:
                 while leases:
                     yield leases.pop(0)

@@ -7,6 +7,8 @@ after landing is a miss, counted and deleted, and the next save heals it; blocks
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 
 import pytest
 import torch
@@ -176,8 +178,7 @@ def shard_servers(redis_server_factory):
 
 
 @pytest.mark.parametrize("kind", ["cluster", "shards", "tiered", "tiered, memory first", "file"])
-def test_every_redis_form_and_files_land_and_a_tier_below_the_first_loads_from_its_lease(kind, request, redis_server,
-                                                                                        tmp_path):
+def test_every_redis_form_and_files_land_and_so_do_tiers_below_the_first(kind, request, redis_server, tmp_path):
     if kind == "file":
         url: str | list[str] = f"file://{tmp_path}/kv"
     elif kind == "cluster":
@@ -200,8 +201,8 @@ def test_every_redis_form_and_files_land_and_a_tier_below_the_first_loads_from_i
     with open_store(url) as s:  # a fresh process's view: its memory tier (if any) is empty
         fresh = [torch.zeros_like(c) for c in caches]
         slots = slots_from_block_table(list(range(12, 20)), N, 32)
-        # Below a memory tier the hit is promoted from its lease, so it cannot land.
-        assert _landed(_xfer(s, layout, fresh), TOKENS, slots) == (32, 0 if "memory" in kind else 4)
+        # Below a memory tier too: the hit is promoted from the blocks it landed in.
+        assert _landed(_xfer(s, layout, fresh), TOKENS, slots) == (32, 4)
         assert _same(layout, caches, SAVED, fresh, slots)
 
 
@@ -254,10 +255,12 @@ def test_a_tiered_or_wrapped_store_over_an_older_store_loads_from_its_leases():
         assert _same(layout, caches, SAVED, fresh, slots)
 
 
-def test_a_tier_failing_mid_record_leaves_no_landing_for_the_tier_below(store):
-    """The first tier lands a record's header and then garbage KV and fails; the tier below (a
-    real redis-server, whose leases carry a valid arrival digest) has the record. Its lease must
-    be decoded and scattered, not taken as the landed record (whose checksum it would pass)."""
+@pytest.mark.parametrize("below", ["redis", "shm"])
+def test_a_tier_failing_mid_record_leaves_no_landing_for_the_tier_below(store, below):
+    """The first tier lands a record's header and then garbage KV and fails; the tier below has
+    the record. A real redis-server lands it afresh (a run of its own); a shm tier ignores
+    ``place`` and hands a mapped lease with a valid arrival digest, which must be decoded and
+    scattered, not taken as the landed record (whose checksum it would pass)."""
     from kvstore.buffers import lease_or_fresh
     from kvstore.errors import StoreUnavailableError
     from kvstore.stores import TieredStore
@@ -284,14 +287,50 @@ def test_a_tier_failing_mid_record_leaves_no_landing_for_the_tier_below(store):
                         at += len(b)
 
     layout, caches = _cache("cpu")
-    tiered = TieredStore([FailsMidRecord(), store])
-    _xfer(tiered, layout, caches).save_sequence(TOKENS, SAVED)
-    assert tiered.flush(10)
-    fresh = [torch.zeros_like(c) for c in caches]
-    slots = slots_from_block_table(list(range(12, 20)), N, 32)
-    n, landed = _landed(_xfer(tiered, layout, fresh), TOKENS, slots)
-    assert (n, landed) == (32, 0)
-    assert _same(layout, caches, SAVED, fresh, slots)
+    name = f"landing-{uuid.uuid4().hex[:12]}"
+    lower = store if below == "redis" else open_store(f"shm://{name}?max_bytes=16MiB")
+    try:
+        tiered = TieredStore([FailsMidRecord(), lower])
+        _xfer(tiered, layout, caches).save_sequence(TOKENS, SAVED)
+        assert tiered.flush(10)
+        fresh = [torch.zeros_like(c) for c in caches]
+        slots = slots_from_block_table(list(range(12, 20)), N, 32)
+        n, landed = _landed(_xfer(tiered, layout, fresh), TOKENS, slots)
+        assert (n, landed) == (32, 4 if below == "redis" else 0)
+        assert _same(layout, caches, SAVED, fresh, slots)
+    finally:
+        if below == "shm":
+            lower.close()
+            shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True)
+
+
+@pytest.mark.parametrize("above", ["memory", "redis"])
+def test_a_hit_landed_from_a_lower_tier_is_promoted_whole_from_the_blocks(redis_server, tmp_path, above):
+    """A record found only in the lower tier lands in the blocks, and the tier above gets the
+    same record bytes: a memory tier copies them at once; a Redis tier's write queue takes its
+    own copy, so blocks overwritten right after the load do not reach it."""
+    redis_server.flushall()
+    lower_url = f"file://{tmp_path}/kv"
+    url = ["memory://", lower_url] if above == "memory" else [redis_server.url, lower_url]
+    layout, caches = _cache("cpu")
+    with open_store(lower_url) as lower:
+        _xfer(lower, layout, caches).save_sequence(TOKENS, SAVED)
+        keys = [k.key for k in _xfer(lower, layout, caches).keys(TOKENS)]
+        stored = [bytes(v) for v in lower.get_many(keys)]
+    with open_store(url) as tiered:
+        upper = tiered.tiers[0].store
+        assert not any(upper.exists_many(keys))
+        fresh = [torch.zeros_like(c) for c in caches]
+        slots = slots_from_block_table(list(range(12, 20)), N, 32)
+        assert _landed(_xfer(tiered, layout, fresh), TOKENS, slots) == (32, 4)
+        assert _same(layout, caches, SAVED, fresh, slots)
+        for c in fresh:  # the engine reuses the blocks
+            c.fill_(7)
+        assert tiered.flush(10)
+        assert [bytes(v) for v in upper.get_many(keys)] == stored
+        again = [torch.zeros_like(c) for c in caches]  # and the tier above now serves the prefix
+        assert _xfer(tiered, layout, again).load_sequence(TOKENS, slots)[0] == 32
+        assert _same(layout, caches, SAVED, again, slots)
 
 
 def test_a_landing_counts_only_for_the_view_its_last_run_landed_in():

@@ -27,7 +27,9 @@ until it is sent: ``bytes`` as they are, ``Pieces`` owned by a lease by retainin
 (no copy: a record gathered into a pool buffer goes out from that buffer), anything else copied
 once into a pool buffer (``pool``; ``bytes`` if the pool is full). ``get_into`` streams each
 tier's values (a Redis tier receives later values while the caller verifies earlier ones) and
-promotes hits from lower tiers by handing the same leased buffer to the tiers above.
+promotes hits from lower tiers by handing the same leased buffer to the tiers above; a hit the
+caller's ``place`` landed elsewhere (a paged cache's blocks) is promoted from where its bytes
+lie, copied by the tiers above before the caller gets it.
 """
 
 from __future__ import annotations
@@ -134,8 +136,9 @@ class TieredStore(Store):
 
     def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """The values in key order as leases, tier by tier, each tier's values streamed; a key
-        is yielded as soon as it and every key before it are resolved. ``place`` goes to the
-        first tier only: a hit in a lower one is promoted from its lease, so it must land there."""
+        is yielded as soon as it and every key before it are resolved. ``place`` goes to every
+        tier: a hit in a lower one lands where the caller says too, and is promoted from the
+        buffers it landed in (``_promoted``)."""
         resolved: dict[int, Lease | None] = {}
         missing = list(range(len(keys)))
         next_out = 0
@@ -154,8 +157,10 @@ class TieredStore(Store):
                 still: list[int] = []
                 nbytes = 0
                 here = None
-                if place is not None and level == 0:
-                    here = functools.partial(_place_among, place, list(missing))
+                landed: dict[int, list[memoryview]] = {}  # where the caller placed this tier's hits
+                if place is not None:
+                    here = functools.partial(_place_among, place, list(missing),
+                                             landed if level and self.config.promote else None)
                 stream = tier.stream([keys[j] for j in missing], pool, here)
                 try:
                     for j, lease in zip(missing, stream):
@@ -165,7 +170,7 @@ class TieredStore(Store):
                         resolved[j] = lease
                         nbytes += lease.nbytes
                         if level and self.config.promote:
-                            self._write(self.tiers[:level], [(keys[j], Pieces([lease.view], owner=lease))])
+                            self._write(self.tiers[:level], [(keys[j], _promoted(lease, landed.pop(j, None)))])
                         while next_out in resolved:
                             yield resolved.pop(next_out)
                             next_out += 1
@@ -369,6 +374,30 @@ def _lease_of(value: Value | Pieces, pool: BufferPool) -> Lease:
     return lease
 
 
-def _place_among(place: Place, asked: Sequence[int], i: int, view: memoryview) -> Iterator[Sequence[memoryview]]:
-    """``place`` for a tier asked for ``keys[j] for j in asked``: its value i is the batch's ``asked[i]``."""
-    return place(asked[i], view)
+def _place_among(place: Place, asked: Sequence[int], landed: dict[int, list[memoryview]] | None,
+                 i: int, view: memoryview) -> Iterator[Sequence[memoryview]]:
+    """``place`` for a tier asked for ``keys[j] for j in asked``: its value i is the batch's
+    ``asked[i]``. With ``landed``, ``landed[j]`` lists, in order, every buffer value j's last
+    run filled (a retried value starts its list afresh)."""
+    j = asked[i]
+    if landed is None:
+        return place(j, view)
+    return _noting(place(j, view), landed.setdefault(j, []))
+
+
+def _noting(targets: Iterator[Sequence[memoryview]], into: list[memoryview]) -> Iterator[Sequence[memoryview]]:
+    into.clear()
+    for buffers in targets:
+        into.extend(buffers)
+        yield buffers
+
+
+def _promoted(lease: Lease, landed: list[memoryview] | None) -> Pieces:
+    """A lower tier's hit as the value written to the tiers above: its lease (retained, not
+    copied, by a queue), or, where the caller's ``place`` put some of its bytes outside the
+    lease (a paged cache's blocks), the buffers it filled, in order. Those have no owner, so
+    the tiers above copy them during ``_write`` (local tiers write them, queues take a copy):
+    the caller may overwrite them once it has the lease."""
+    if not landed or all(b.obj is lease.view.obj for b in landed):
+        return Pieces([lease.view], owner=lease)
+    return Pieces(landed)
