@@ -54,6 +54,8 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
                      the next ones arrive)
   ... from leases    the same load with no ``land``: records received into pooled buffers, each
                      verified there, then copied into the tensor
+  ... 1 connection   the same save and load over a RedisStore of ``connections=1``: what the
+                     spread over 4 connections costs and gains on this link
   kvstore store      bare RedisStore.put_many / get_many of the same encoded records
 
 Lookups of the 16 stored chunks: LMCache ``engine.lookup(tokens)`` (token hashing included);
@@ -73,8 +75,9 @@ record's payload as it is), and its load the verification, with the bytes landed
 destination tensor (from leases: plus a copy into it).
 
 CPU s/GB beside every GB/s figure: this process's user+system time (``getrusage(RUSAGE_SELF)``,
-every thread, LMCache's included) over each timed store and retrieve, per GB of KV; the
-redis-server's is not counted. The standalone raw client's is its own process's.
+every thread, LMCache's included) over each timed store and retrieve, per GB of KV, the median
+round's (a round the shared machine slowed down does not move it); the redis-server's is not
+counted. The standalone raw client's is its own process's.
 """
 
 from __future__ import annotations
@@ -473,6 +476,7 @@ RAWC = "raw zero-copy client + copy into the destination"
 RAWH = "raw zero-copy client + xxh3 of each value"
 KV_CACHE = "kvstore PrefixCache save/load"
 KV_LEASED = "kvstore PrefixCache, loads from leases (no land)"
+KV_ONE = "kvstore PrefixCache save/load, 1 connection"
 KV_STORE = "kvstore RedisStore put_many/get_many"
 LM_RESP, LM_REDIS = "LMCache resp://", "LMCache redis://"
 
@@ -488,7 +492,7 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
     ceiling = RawPath(server.port, kv)
     standalone = StandaloneRaw(server.port, ceiling)
     alone_t: list[float] = []
-    alone_cpu = 0.0
+    alone_cpu: list[float] = []
     # name: (put, get, lookups {label: fn})
     spread = RawPathSpread(server.port, kv, kv.store.config.connections)
     copying = RawPathCopy(ceiling, data)
@@ -500,10 +504,12 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
         paths[LM_RESP] = (lm["resp"].store, lm["resp"].get, {"LMCache resp:// lookup": lm["resp"].lookup})
     paths[KV_CACHE] = (kv.save, kv.get, {"kvstore keys+lookup": kv.lookup, "kvstore lookup": kv.lookup_only})
     paths[KV_LEASED] = (kv.save, kv.get_leased, {})
+    one = KVStorePath(server.url + "?connections=1", data)
+    paths[KV_ONE] = (one.save, one.get, {})
     paths[KV_STORE] = (kv.put_bare, kv.get_bare, {})
     put_t = {p: [] for p in paths}
     get_t = {p: [] for p in paths}
-    cpu = {p: [0.0, 0.0] for p in paths}  # store, retrieve: CPU seconds over the measured rounds
+    cpu: dict[str, tuple[list[float], list[float]]] = {p: ([], []) for p in paths}  # store, retrieve: CPU s per round
     look_t: dict[str, list[float]] = {label: [] for _, _, ls in paths.values() for label in ls}
     loads = [os.getloadavg()[0]]
     print(f"\n{name}: {data.n} chunks, {data.nbytes / 2**20:.0f} MiB of KV per op "
@@ -532,12 +538,12 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
                 t_alone, c_alone = standalone.get()  # the same records, right after
                 if rep:
                     alone_t.append(t_alone)
-                    alone_cpu += c_alone
+                    alone_cpu.append(c_alone)
             if rep:
                 put_t[pname].append(t_put)
                 get_t[pname].append(t_get)
-                cpu[pname][0] += c_put
-                cpu[pname][1] += c_get
+                cpu[pname][0].append(c_put)
+                cpu[pname][1].append(c_get)
                 for label, ts in lk.items():
                     look_t[label].extend(ts)
         loads.append(os.getloadavg()[0])
@@ -545,7 +551,7 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
     raw.flushall()
     res = {"paths": {}, "lookups": {}, "loads": loads, "nbytes": data.nbytes, "record_bytes": kv.record_bytes,
            "standalone": stats([data.nbytes / t / 1e9 for t in alone_t]), "cpu": {},
-           "standalone_cpu": alone_cpu / (reps * data.nbytes / 1e9)}
+           "standalone_cpu": statistics.median(alone_cpu) / (data.nbytes / 1e9)}
     standalone.close()
     a = res["standalone"]
     print(f"  {'raw zero-copy client, own process':<38} retrieve {a[0]:5.2f} [{a[1]:.2f}-{a[2]:.2f}] GB/s, "
@@ -554,7 +560,8 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
         # GB/s of KV moved (10^9 B/s); kvstore's records carry ~1 KiB of header more per chunk.
         res["paths"][pname] = (stats([data.nbytes / t / 1e9 for t in put_t[pname]]),
                                stats([data.nbytes / t / 1e9 for t in get_t[pname]]))
-        res["cpu"][pname] = [c / (reps * data.nbytes / 1e9) for c in cpu[pname]]
+        # The median round's CPU: one round the shared machine slowed down does not move it.
+        res["cpu"][pname] = [statistics.median(c) / (data.nbytes / 1e9) for c in cpu[pname]]
         p, g = res["paths"][pname]
         cp, cg = res["cpu"][pname]
         print(f"  {pname:<38} store {p[0]:5.2f} [{p[1]:.2f}-{p[2]:.2f}] GB/s {cp:.3f} CPU s/GB  "
@@ -569,6 +576,7 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
     # LMCache engines are left open: LMCacheEngineBuilder.destroy() hangs in 0.5.6 (RemoteBackend.close
     # waits forever on its connection's close()); the process ends with os._exit instead.
     kv.store.close()
+    one.store.close()
     raw.flushall()
     results[name] = res
 
@@ -659,7 +667,7 @@ def render(results: dict, reps: int, peer: bool = True, limits: str = "") -> str
         for pname, (p, g) in res["paths"].items():
             out.append(f"| {pname} | {p[0]:.2f} [{p[1]:.2f}-{p[2]:.2f}] | {g[0]:.2f} [{g[1]:.2f}-{g[2]:.2f}] |")
         if "cpu" in res:
-            out += ["", "CPU seconds per GB of KV (this process, user+system, every thread), same rounds:", "",
+            out += ["", "CPU seconds per GB of KV (this process, user+system, every thread; the median round), same rounds:", "",
                     "| path | store CPU s/GB | retrieve CPU s/GB | store CPU x raw | retrieve CPU x raw |",
                     "|---|---|---|---|---|"]
             rc = res["cpu"][RAW]
@@ -710,6 +718,12 @@ def summary_lines(results: dict) -> list[str]:
             if RAWH in res["cpu"]:
                 hc = res["cpu"][RAWH]
                 line += f" cpu_ratio_to_raw_plus_checksum store={kc[0] / hc[0]:.2f} load={kc[1] / hc[1]:.2f}"
+        if KV_ONE in res["paths"]:
+            op, og = res["paths"][KV_ONE]
+            line += f" one_connection_ratio_to_raw store={op[0] / rp[0]:.2f} load={og[0] / rg[0]:.2f}"
+            if "cpu" in res:
+                oc = res["cpu"][KV_ONE]
+                line += f" one_connection_cpu_ratio_to_raw store={oc[0] / rc[0]:.2f} load={oc[1] / rc[1]:.2f}"
         if RAW4 in res["paths"]:
             sp, sg = res["paths"][RAW4]
             line += f" ratio_to_raw_4conn store={kp[0] / sp[0]:.2f} load={kg[0] / sg[0]:.2f}"

@@ -338,6 +338,10 @@ def test_zstd_payload_with_trailing_bytes_is_rejected():
     (lambda h: dict(h, created=-1.0), "header"),
     (lambda h: dict(h, shapes=[]), "header"),
     (lambda h: dict(h, shapes=[[]]), "header"),
+    # Every layer's shape equal to the first by value, one with a float or a bool in it (2.0 == 2,
+    # True == 1): the same bytes, but not a shape of ints.
+    (lambda h: dict(h, shapes=h["shapes"][:-1] + [[float(d) for d in h["shapes"][-1]]]), "header"),
+    (lambda h: dict(h, shapes=[[2, 1, 8, 3, 4], [2, True, 8, 3, 4]]), "header"),
     (lambda h: dict(h, tokens=b""), "header"),
     (lambda h: dict(h, start=1 << 41), "header"),
     (lambda h: dict(h, hidden=["bfloat16", []]), "header"),

@@ -46,6 +46,7 @@ bytes, and the reader must not count them as loaded).
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 import time
@@ -150,6 +151,8 @@ class Record:
 
 
 def kv_nbytes(dtype: str, shapes: Sequence[Sequence[int]]) -> int:
+    if shapes and shapes.count(shapes[0]) == len(shapes):  # every layer alike: the common case
+        return DTYPES[dtype] * math.prod(shapes[0]) * len(shapes)
     return DTYPES[dtype] * sum(math.prod(s) for s in shapes)
 
 
@@ -332,6 +335,17 @@ def _shape(value: Any, name: str) -> tuple[int, ...]:
     return tuple(_int(d, name, 0, 1 << 40) for d in value)
 
 
+def _shapes(value: list[Any]) -> tuple[tuple[int, ...], ...]:
+    """The header's ``shapes``, each checked as ``_shape`` does. When every layer's shape is the
+    same list of ints (the common case) only the first is checked item by item: a few C-level
+    passes instead of a Python call per dimension of every layer."""
+    first = value[0]
+    if (set(map(type, value)) == {list} and value.count(first) == len(value)
+            and set(map(type, itertools.chain.from_iterable(value))) == {int}):
+        return (_shape(first, "shapes"),) * len(value)
+    return tuple(_shape(s, "shapes") for s in value)
+
+
 def _dtype(value: Any, name: str) -> str:
     if type(value) is not str or value not in DTYPES:
         raise _fail(f"header field {name}={value!r} is not a known dtype", "header")
@@ -409,7 +423,7 @@ def _parse(view: memoryview) -> tuple[RecordHeader, int]:
     shapes_raw = h["shapes"]
     if type(shapes_raw) is not list or not 1 <= len(shapes_raw) <= 4096:
         raise _fail("header field shapes is not a list of 1 to 4096 shapes", "header")
-    shapes = tuple(_shape(s, "shapes") for s in shapes_raw)
+    shapes = _shapes(shapes_raw)
     hidden = h["hidden"]
     hidden_dtype = hidden_shape = None
     if hidden is not None:
