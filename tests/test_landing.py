@@ -123,6 +123,28 @@ def test_a_payload_that_fails_its_checksum_is_a_miss_counted_deleted_and_healed(
     assert _same(layout, caches, SAVED, again, slots)
 
 
+def test_a_bad_record_landed_from_a_lower_tier_is_deleted_from_the_tier_it_was_promoted_into(redis_server):
+    """A record from Redis below a memory tier lands, is promoted into the memory tier from the
+    blocks, then fails its checksum: a miss, and neither tier keeps it, so the next reader does
+    not hit the bad copy in the tier above."""
+    redis_server.flushall()
+    layout, caches = _cache("cpu")
+    with open_store(["memory://", redis_server.url]) as tiered:
+        memory, redis_tier = (t.store for t in tiered.tiers)
+        writer = _xfer(redis_tier, layout, caches)
+        writer.save_sequence(TOKENS, SAVED)
+        key = _keys(writer)[2]
+        value = bytearray(redis_tier.get(key))
+        value[len(value) // 2] ^= 0xFF  # in the KV, after a header that passes every check
+        redis_tier.put(key, bytes(value))
+        fresh = [torch.zeros_like(c) for c in caches]
+        slots = slots_from_block_table(list(range(12, 20)), N, 32)
+        assert _landed(_xfer(tiered, layout, fresh), TOKENS, slots) == (16, 2)
+        assert tiered.flush(10)
+        assert not memory.exists(key) and not redis_tier.exists(key)
+        assert all(memory.exists_many(_keys(writer)[:2]))  # the good ones were promoted
+
+
 @pytest.mark.parametrize("damage", ["foreign", "truncated", "header", "tokens"])
 def test_a_record_failing_its_header_checks_never_writes_a_byte(store, damage):
     layout, caches = _cache("cpu")
