@@ -8,6 +8,7 @@ import os
 import pytest
 
 from kvstore import ConfigError, open_store
+from kvstore.buffers import Pieces
 from kvstore.stores import WrapperStore
 from kvstore.stores.memory import MemoryStore
 from kvstore.testing.store_tests import StoreTests
@@ -126,6 +127,34 @@ def _run_processes(ctx, target, args_list) -> None:
     for p in procs:
         p.join(60)
         assert p.exitcode == 0
+
+
+@pytest.mark.parametrize("most", [None, 5000])
+def test_a_value_of_many_parts_is_written_whole(tmp_path, monkeypatch, most):
+    """A value in more parts than one ``writev`` takes (a record landed in a paged cache's
+    blocks, promoted from there), written whole in order; with ``most`` every call writes at
+    most that many bytes, as a signal or a full disk can make it."""
+    import kvstore.stores.file as file_store
+
+    if most is not None:
+        real = os.writev
+        monkeypatch.setattr(file_store.os, "writev", lambda fd, bufs: real(fd, _first_bytes(bufs, most)))
+    parts = [os.urandom(n) for n in [1, 7, 0, 32768, 4099] * 300]  # 1,500 parts, more than _IOV_MAX
+    with open_store(f"file://{tmp_path}/kv") as store:
+        store.put("k", Pieces(parts))
+        assert bytes(store.get("k")) == b"".join(parts)
+
+
+def _first_bytes(buffers, n):
+    out = []
+    for b in buffers:
+        view = memoryview(b)[:n]
+        if len(view):
+            out.append(view)
+        n -= len(view)
+        if n <= 0:
+            break
+    return out
 
 
 def test_file_store_many_processes_write_whole_values(tmp_path):
