@@ -47,9 +47,9 @@ def land_in_cache_option() -> Any:
         "it arrives, once its header passed every check (no copy out of a buffer); its checksum and tag are "
         "checked as its last byte lands, and a record failing them leaves its blocks to be recomputed, like "
         "every block past a hit. From every tier that receives piece by piece, a host (shm) tier above "
-        "included: a record promoted from a tier below is copied into the tiers above from the blocks. false: each record is received into a buffer, verified there, "
-        "then copied into the blocks, so no byte of a failed record reaches the cache, at the CPU of that copy "
-        "(benchmarks/results/cpu.md).")
+        "included: a record promoted from a tier below is copied into the tiers above from the blocks. "
+        "false: each record is received into a buffer, verified there, then copied into the blocks, so no "
+        "byte of a failed record reaches the cache, at the CPU of that copy (benchmarks/results/cpu.md).")
 
 
 def switch_interval_option() -> Any:
