@@ -99,14 +99,21 @@ def _keys(xfer):
     return [k.key for k in xfer.keys(TOKENS)]
 
 
-def test_a_payload_that_fails_its_checksum_is_a_miss_counted_deleted_and_healed(store):
-    layout, caches = _cache("cpu")
+def _save_with_a_bad_payload(store, layout, caches) -> tuple:
+    """Save the 4 chunks into ``store``, then flip a byte in chunk 2's KV, after a header that
+    passes every check; (the writer's transfer, chunk 2's key)."""
     writer = _xfer(store, layout, caches)
     writer.save_sequence(TOKENS, SAVED)
     key = _keys(writer)[2]
     value = bytearray(store.get(key))
-    value[len(value) // 2] ^= 0xFF  # in the KV, after a header that passes every check
+    value[len(value) // 2] ^= 0xFF
     store.put(key, bytes(value))
+    return writer, key
+
+
+def test_a_payload_that_fails_its_checksum_is_a_miss_counted_deleted_and_healed(store):
+    layout, caches = _cache("cpu")
+    _, key = _save_with_a_bad_payload(store, layout, caches)
     before = CORRUPT.value(reason="checksum")
     fresh = [torch.zeros_like(c) for c in caches]
     slots = slots_from_block_table(list(range(12, 20)), N, 32)
@@ -131,12 +138,7 @@ def test_a_bad_record_landed_from_a_lower_tier_is_deleted_from_the_tier_it_was_p
     layout, caches = _cache("cpu")
     with open_store(["memory://", redis_server.url]) as tiered:
         memory, redis_tier = (t.store for t in tiered.tiers)
-        writer = _xfer(redis_tier, layout, caches)
-        writer.save_sequence(TOKENS, SAVED)
-        key = _keys(writer)[2]
-        value = bytearray(redis_tier.get(key))
-        value[len(value) // 2] ^= 0xFF  # in the KV, after a header that passes every check
-        redis_tier.put(key, bytes(value))
+        writer, key = _save_with_a_bad_payload(redis_tier, layout, caches)
         fresh = [torch.zeros_like(c) for c in caches]
         slots = slots_from_block_table(list(range(12, 20)), N, 32)
         assert _landed(_xfer(tiered, layout, fresh), TOKENS, slots) == (16, 2)

@@ -233,10 +233,8 @@ class DirectReplies:
         kind = line[:1]
         if kind == b"_" or line == b"$-1":
             return None
-        if kind == b"-":
-            raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
         if kind != b"$":
-            raise redis.exceptions.InvalidResponse(f"unexpected reply to GET: {line[:40]!r}")
+            raise _unexpected(line, "GET")
         size = int(line[1:])
         if into is not None:
             view = into(size)
@@ -333,19 +331,23 @@ class DirectReplies:
         for _ in range(count):
             line = self._line()
             if line[:1] != b":":
-                if line[:1] == b"-":
-                    raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
-                raise redis.exceptions.InvalidResponse(f"unexpected integer reply: {line[:40]!r}")
+                raise _unexpected(line, "EXISTS or DEL")
             out.append(int(line[1:]))
         return out
 
     def status(self) -> None:
         """Read one simple reply (``+OK`` of a SET); an error reply raises ``ResponseError``."""
         line = self._line()
-        if line[:1] == b"-":
-            raise redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
         if line[:1] not in (b"+", b"$", b":", b"_"):
-            raise redis.exceptions.InvalidResponse(f"unexpected reply to SET: {line[:40]!r}")
+            raise _unexpected(line, "SET")
+
+
+def _unexpected(line: bytes, command: str) -> Exception:
+    """What a reply line a reader cannot take means: the server's error (``ResponseError``), or
+    a reply ``command`` never gets (``InvalidResponse``)."""
+    if line[:1] == b"-":
+        return redis.exceptions.ResponseError(line[1:].decode(errors="replace"))
+    return redis.exceptions.InvalidResponse(f"unexpected reply to {command}: {line[:40]!r}")
 
 
 def _buffers(packed: Iterable[Any]) -> Iterator[Any]:
