@@ -11,13 +11,14 @@ connection). For each round-trip time and connection count, one batch of 16 reco
   kvstore lookup     ``longest_prefix`` of the 16 keys (pipelined EXISTS): 1 round trip
 
 and the same batch written: the raw client's 16 pipelined SETs on one connection against
-kvstore's ``put_many`` over N connections (``connections``). The model of both tables:
-``RTT + bytes / (N x cap)``.
+kvstore's ``put_many`` over N connections (``connections=N&adapt_writes=false``), and the
+default (``connections=4``, widths learned: ``adapt_writes``) after ``ADAPT_WARMUP`` untimed
+batches, with the width it settled at. The model of both tables: ``RTT + bytes / (N x cap)``.
 
 Then a three-primary Redis Cluster, each node behind its own shaped proxy (the nodes announce
 the proxies' ports, so every client reaches them only through the link). The same batch spreads
 over the nodes by hash slot; kvstore's ``get_into`` and ``put_many`` use every node at once, with
-1 or 4 connections per node (``connections`` 3 or 12), against the raw client with one
+1 or 4 connections per node (``connections`` 3 or 12, ``adapt_writes=false``), against the raw client with one
 connection and thread per node, and one GET per record through redis-py's cluster client. The
 model: ``RTT + the largest node's bytes / (connections per node x cap)``.
 
@@ -49,6 +50,7 @@ from kvstore.stores.redis.raw import RawRedis
 from kvstore.testing.proxy import ShapedProxy
 
 N, SIZE = 16, 1 << 20
+ADAPT_WARMUP = 10  # batches the default's write width has to settle before it is timed
 
 
 def ms(fn, reps: int) -> float:
@@ -115,15 +117,18 @@ def server_tables(reps: int, rate: float) -> None:
                 print(f"| {rtt:.0f} | {naive:.1f} | {rawt:.1f} | {' / '.join(f'{t:.1f}' for t in ours)} | "
                       f"{' / '.join(f'{t:.1f}' for t in model)} | {lookups[0]:.2f} |", flush=True)
                 writes.append((rtt, ms(lambda: raw.set_many(zip(keys, values)), reps),
-                               [_put_ms(proxy.port, conns, keys, values, reps) for conns in (1, 2, 4)], model))
+                               [_put_ms(proxy.port, f"connections={conns}&adapt_writes=false", keys, values, reps)
+                                for conns in (1, 2, 4)], model,
+                               _put_ms(proxy.port, "connections=4", keys, values, reps, warmup=ADAPT_WARMUP)))
                 raw.close()
                 naive_client.close()
             finally:
                 proxy.close()
-        print("\n| RTT ms | raw pipelined SETs (1 conn) | kvstore put_many 1 / 2 / 4 conns | model 1 / 2 / 4 |")
-        print("|---|---|---|---|")
-        for rtt, rawt, ours, model in writes:
-            print(f"| {rtt:.0f} | {rawt:.1f} | {' / '.join(f'{t:.1f}' for t in ours)} | "
+        print("\n| RTT ms | raw pipelined SETs (1 conn) | kvstore put_many 1 / 2 / 4 conns | "
+              "kvstore put_many, default (width settled at) | model 1 / 2 / 4 |")
+        print("|---|---|---|---|---|")
+        for rtt, rawt, ours, model, (adaptive, width) in writes:
+            print(f"| {rtt:.0f} | {rawt:.1f} | {' / '.join(f'{t:.1f}' for t, _ in ours)} | {adaptive:.1f} ({width}) | "
                   f"{' / '.join(f'{t:.1f}' for t in model)} |")
     finally:
         server.close()
@@ -172,7 +177,7 @@ def cluster_tables(reps: int, rate: float) -> None:
             loads, saves = [], []
             for per_node in (1, 4):
                 store = RedisClusterStore.from_url(f"redis+cluster://127.0.0.1:{proxies[0].port}"
-                                                   f"?connections={3 * per_node}&timeout=30s&write_timeout=30s")
+                                                   f"?connections={3 * per_node}&adapt_writes=false&timeout=30s&write_timeout=30s")
 
                 def load(store=store) -> None:
                     for lease in store.get_into(keys, pool):
@@ -215,10 +220,15 @@ def _announce(cluster: servers.RedisCluster, proxies: list[ShapedProxy]) -> None
     servers.wait_until(announced, 30, "the cluster's nodes announcing their proxies")
 
 
-def _put_ms(port: int, conns: int, keys: list[str], values: list[bytes], reps: int) -> float:
-    store = RedisStore.from_url(f"redis://127.0.0.1:{port}?connections={conns}&write_timeout=30s")
+def _put_ms(port: int, options: str, keys: list[str], values: list[bytes], reps: int,
+            warmup: int = 0) -> tuple[float, int]:
+    """``put_many`` of the batch through a store of ``options``, after ``warmup`` untimed
+    batches: milliseconds, and the write width the store settled at."""
+    store = RedisStore.from_url(f"redis://127.0.0.1:{port}?{options}&write_timeout=30s")
     try:
-        return ms(lambda: store.put_many(zip(keys, values)), reps)
+        for _ in range(warmup):
+            store.put_many(zip(keys, values))
+        return ms(lambda: store.put_many(zip(keys, values)), reps), store.describe()["write_connections"]
     finally:
         store.close()
 

@@ -49,7 +49,7 @@ def main() -> None:
         for name in ("3MiB", "32MiB"):
             data = peer.Data(name)
             client = redis.Redis(port=server.port)
-            paths = {c: peer.KVStorePath(f"{server.url}?connections={c}", data) for c in (1, 2, 4)}
+            paths = {c: peer.KVStorePath(f"{server.url}?connections={c}&adapt_writes=false", data) for c in (1, 2, 4)}
             raw = peer.RawPath(server.port, paths[4])
             calls = {"raw put": raw.put, "raw, checksum first": lambda raw=raw: _hash_first(raw),
                      "raw, checksum as it sends": lambda raw=raw: _hash_as_sent(raw)}

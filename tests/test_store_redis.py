@@ -127,7 +127,7 @@ def test_a_write_batch_splits_its_bytes_evenly_over_its_connections(redis_server
     items = [(f"{_K}/even/{i:02d}", bytes([i]) * n) for i, n in enumerate(sizes)]
     proxy = ShapedProxy(redis_server.port, rate=20e6)
     try:
-        with open_store(f"redis://127.0.0.1:{proxy.port}/0?connections=4&write_timeout=30s") as store:
+        with open_store(f"redis://127.0.0.1:{proxy.port}/0?connections=4&adapt_writes=false&write_timeout=30s") as store:
             store.put_many(items)
             carried = proxy.bytes_sent()
             assert len(carried) == 4
@@ -135,6 +135,42 @@ def test_a_write_batch_splits_its_bytes_evenly_over_its_connections(redis_server
             assert store.get_many([k for k, _ in items]) == [v for _, v in items]
     finally:
         proxy.close()
+
+
+def test_writes_widen_to_every_connection_where_the_link_caps_each_one(redis_server):
+    """``adapt_writes`` (the default): the first batch goes over one connection; through a link
+    that caps each connection the batches widen to all ``connections`` within a few batches,
+    and every value arrives."""
+    from kvstore.testing.proxy import ShapedProxy
+
+    redis_server.flushall()
+    items = [(f"{_K}/widen/{i:02d}", bytes([i]) * (1 << 20)) for i in range(8)]  # 2 MiB per connection at 4
+    proxy = ShapedProxy(redis_server.port, rate=20e6)
+    try:
+        with open_store(f"redis://127.0.0.1:{proxy.port}/0?connections=4&write_timeout=30s") as store:
+            widths = []  # per batch: the connections that carried a MiB or more of it
+            for _ in range(14):
+                before = proxy.bytes_sent()
+                store.put_many(items)
+                after = proxy.bytes_sent()
+                widths.append(sum(1 for i, n in enumerate(after) if n - (before[i] if i < len(before) else 0) >= 1 << 20))
+            assert widths[0] == 1, widths
+            assert store.describe()["write_connections"] == 4, widths
+            assert widths[-6:].count(4) >= 4, widths  # now and then a probe tries 2 again
+            assert store.get_many([k for k, _ in items]) == [v for _, v in items]
+    finally:
+        proxy.close()
+
+
+def test_writes_stay_on_one_connection_where_more_do_not_pay(redis_server):
+    """On loopback one connection is about as fast as four: after a run of batches the width
+    is back to (or never left) one, so the extra sender threads cost no CPU."""
+    redis_server.flushall()
+    items = [(f"{_K}/narrow/{i:02d}", os.urandom(1 << 20)) for i in range(8)]
+    with open_store(f"{redis_server.url}?connections=4") as store:
+        for _ in range(30):
+            store.put_many(items)
+        assert store.describe()["write_connections"] <= 2  # loopback noise may leave it in the band
 
 
 @pytest.mark.parametrize("connections", [1, 3])

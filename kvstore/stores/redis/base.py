@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -48,6 +49,7 @@ from kvstore.stores.base import LeaseStream, Place, Store, Value, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import MAX_SPREAD, RedisConfig
 from kvstore.stores.redis.direct import Sender, Slot, as_redis_error, exchange, is_redirect, read_into, run_sender
+from kvstore.stores.redis.spread import WriteSpread
 from kvstore.stores.redis.waves import Waves
 
 _SCAN_COUNT = 1000
@@ -79,6 +81,8 @@ class RedisStoreBase(Store):
         self._closed = False
         #: Connections (and threads) one batch of large values is spread over.
         self._spread = min(config.connections, config.max_connections)
+        #: Connections per server of the next write batch: up to ``_spread``, learned (spread.py).
+        self._write_spread = WriteSpread(self._spread, adaptive=config.adapt_writes)
         self._reply_size = 0  # the largest value of the last get_into: the next one's first wave
         self._executors: dict[bool, ThreadPoolExecutor] = {}  # reads' and writes' threads (writes=True)
         self._streaming = threading.Lock()  # held by the one write batch whose senders run
@@ -320,26 +324,39 @@ class RedisStoreBase(Store):
         """SETs over direct sockets (a cluster's go to each key's node). ``items`` is consumed
         lazily: each value is sent by one of the sender threads as soon as the iterable produces
         it, so a caller that encodes value i+1 in its generator does so while value i is on the
-        wire. A single server's batch is spread over ``connections`` connections, a cluster's
-        over every node it touches at once (``connections`` shared out over the nodes, at least
-        one each), and each value goes to the sender of its server with the fewest bytes so far,
+        wire. A single server's batch is spread over up to ``connections`` connections (as many
+        as pay for themselves: ``adapt_writes``, ``spread.py``; one is sent from this thread), a
+        cluster's over every node it touches at once (``connections`` shared out over the
+        nodes, at least one each), and each value goes to the sender of its server with the fewest bytes so far,
         so the bytes split evenly (as a read's keys do). A value a cluster node redirects (its
         slot moved) is sent again through the client's pipeline, which follows the redirection.
         Writes use the write client's connections and threads; one batch at a time streams."""
-        it = iter(items)
+        sent = [0]  # bytes of the values taken from ``items`` so far
+
+        def tallied() -> Iterator[tuple[str, WriteValue]]:
+            for key, value in items:
+                sent[0] += len(value) if isinstance(value, Pieces) else memoryview(value).nbytes
+                yield key, value
+
+        it = tallied()
         head = [item for item in (next(it, None), next(it, None)) if item is not None]
         if not head:
             return
         with self._errors():
             routes = self._write_routes()
             one = self._direct_pool(writes=True)
-            if routes is not None and len(head) == 2 and (self._spread > 1 or one is None):
+            width = self._write_spread.width(self._spread // routes[1] if routes is not None else 1)
+            if routes is not None and len(head) == 2 and (width > 1 or one is None):
                 with self._streaming:  # one batch's senders at a time: they need every thread at once
-                    self._send_streamed(routes, itertools.chain(head, it))
+                    start = time.perf_counter()
+                    self._send_streamed(routes, itertools.chain(head, it), width)
             elif one is not None:
+                start, width = time.perf_counter(), 1
                 self._send_here(one, [*head, *it])
             else:
                 self._put_pipelined([*head, *it])
+                return
+        self._write_spread.measured(width, sent[0], time.perf_counter() - start)
 
     def _write_routes(self) -> tuple[Callable[[str], Any], int] | None:
         """Where direct writes go: a function from a key to the write client's connection pool
@@ -364,15 +381,14 @@ class RedisStoreBase(Store):
             exchange(pool, [self._set_command(*item) for item in batch], on_reply, self.config.retries)
 
     def _send_streamed(self, routes: tuple[Callable[[str], Any], int],
-                       items: Iterator[tuple[str, WriteValue]]) -> None:
-        """SETs of ``items`` by sender threads, each value queued as soon as ``items`` yields it
-        (``put_many``). Values whose server has no sender (no route now, or no thread could be
+                       items: Iterator[tuple[str, WriteValue]], per_server: int) -> None:
+        """SETs of ``items`` by ``per_server`` sender threads per server, each value queued as
+        soon as ``items`` yields it (``put_many``). Values whose server has no sender (no route now, or no thread could be
         started: at interpreter exit executors refuse work before ``atexit`` hooks run, and the
         last background writes must still go out) and values a node redirected go through the
         client's pipeline from this thread afterwards. The caller holds ``_streaming``: a batch
         whose senders could not all run at once would wait forever on one that never starts."""
-        route, servers = routes
-        per_server = max(1, self._spread // servers)
+        route, _ = routes
         senders: dict[int, list[Sender]] = {}  # by id() of their server's pool
         redirected: list[tuple[str, WriteValue]] = []  # told MOVED or ASK
         here: list[tuple[str, WriteValue]] = []  # no sender: from this thread
@@ -501,7 +517,8 @@ class RedisStoreBase(Store):
     def describe(self) -> dict[str, Any]:
         c = self.config
         return {"store": "redis+cluster" if c.cluster else "redis", "url": c.safe_url(), "prefix": c.prefix,
-                "ttl": c.ttl, "max_connections": c.max_connections, "timeout": c.timeout}
+                "ttl": c.ttl, "max_connections": c.max_connections, "timeout": c.timeout,
+                "write_connections": self._write_spread.current}
 
 
 
