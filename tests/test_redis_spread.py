@@ -13,12 +13,13 @@ from kvstore.stores.redis.spread import MAX_GAP, MEASURED_BYTES, WriteSpread
 BATCH = 64 << 20
 
 
-def run(spread: WriteSpread, seconds_at, batches: int, nbytes: int = BATCH) -> list[int]:
-    """``batches`` batches of ``nbytes``, each taking ``seconds_at(width)``; their widths."""
+def run(spread: WriteSpread, seconds_at, batches: int, nbytes: int = BATCH, values: int = 16) -> list[int]:
+    """``batches`` batches of ``values`` values, ``nbytes`` in all, each taking
+    ``seconds_at(width)``; their widths."""
     widths = []
     for _ in range(batches):
         w = spread.width()
-        spread.measured(w, nbytes, seconds_at(w))
+        spread.measured(w, values, nbytes, seconds_at(w))
         widths.append(w)
     return widths
 
@@ -77,11 +78,22 @@ def test_small_batches_neither_probe_nor_teach():
     assert set(widths) == {1} and spread.current == 1
 
 
+def test_batches_of_fewer_values_than_the_wider_width_has_connections_teach_nothing():
+    """A writer that keeps up sends a record per batch: one value cannot go faster over more
+    connections, so its batches neither probe nor move the width, however large."""
+    spread = WriteSpread(4)
+    assert set(run(spread, capped(50e6), 50, values=1)) == {1}
+    run(spread, capped(50e6), 12)  # its queue backs up: batches of 16
+    assert spread.current == 4
+    run(spread, lambda w: 1.0, 50, values=3)  # 3 values cannot show what 4 connections buy
+    assert spread.current == 4
+
+
 def test_a_cap_narrower_than_the_probe_runs_at_the_cap_and_teaches_nothing():
     spread = WriteSpread(4)
     run(spread, capped(50e6), 3)
     assert spread.width(cap=1) == 1  # a probe is due, but this batch's servers share out 1 each
-    spread.measured(1, BATCH, capped(50e6)(1))
+    spread.measured(1, 16, BATCH, capped(50e6)(1))
     assert spread.width() == 2  # still due
     assert spread.current == 1
 

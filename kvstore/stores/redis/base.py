@@ -331,11 +331,12 @@ class RedisStoreBase(Store):
         so the bytes split evenly (as a read's keys do). A value a cluster node redirects (its
         slot moved) is sent again through the client's pipeline, which follows the redirection.
         Writes use the write client's connections and threads; one batch at a time streams."""
-        sent = [0]  # bytes of the values taken from ``items`` so far
+        sent = [0, 0]  # values taken from ``items`` so far, and their bytes
 
         def tallied() -> Iterator[tuple[str, WriteValue]]:
             for key, value in items:
-                sent[0] += len(value) if isinstance(value, Pieces) else memoryview(value).nbytes
+                sent[0] += 1
+                sent[1] += len(value) if isinstance(value, Pieces) else memoryview(value).nbytes
                 yield key, value
 
         it = tallied()
@@ -356,7 +357,7 @@ class RedisStoreBase(Store):
             else:
                 self._put_pipelined([*head, *it])
                 return
-        self._write_spread.measured(width, sent[0], time.perf_counter() - start)
+        self._write_spread.measured(width, sent[0], sent[1], time.perf_counter() - start)
 
     def _write_routes(self) -> tuple[Callable[[str], Any], int] | None:
         """Where direct writes go: a function from a key to the write client's connection pool

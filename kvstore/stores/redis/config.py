@@ -75,8 +75,9 @@ class RedisConfig:
                                       "over the nodes a batch touches, at least one each, all nodes at once.")
     adapt_writes: bool = option(
         True, help="Write batches start on one connection per server and spread over more (up to connections) only "
-        "while doubling them makes batches of 4 MiB or more at least 1.5x as fast, rechecked now and then: where "
-        "nothing caps each connection, more only cost CPU. false: every write batch uses connections.")
+        "while doubling them makes batches (4 MiB or more, a value per connection or more) at least 1.5x as fast, "
+        "rechecked now and then: where nothing caps each connection, more only cost CPU. false: every write batch "
+        "uses connections.")
     timeout: float = option(
         0.25, kind="duration", help="Deadline of each socket read or write of a read, lookup or delete (the engine's "
         "critical path). A frozen server costs one call at most connect_timeout + timeout; the circuit breaker then "

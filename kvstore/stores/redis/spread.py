@@ -8,8 +8,12 @@ more system calls for the same bytes: CPU the engines on the host need. So write
 connection (sent from the caller's thread) and the width doubles only while doubling it makes
 batches markedly faster.
 
-The rule, on batches of at least ``MEASURED_BYTES`` (smaller ones say more about the round trip
-than about the link, and run at whatever width is current):
+The rule, on batches of at least ``MEASURED_BYTES`` and of at least as many values as the wider
+neighbouring width has connections (a value goes whole over one connection, so a batch of fewer
+cannot show what more connections buy; a smaller one says more about the round trip than about
+the link). Other batches run at whatever width is current and teach nothing. A background
+writer that keeps up sends a record or two per batch and so stays on one connection; once its
+queue backs up, its batches grow and the width follows the link:
 
 * Every so many measured batches, one is a probe at a neighbouring width: double the current
   width, or half of it, in turn (where there is one).
@@ -80,10 +84,12 @@ class WriteSpread:
                         return probe
             return min(self._current, limit)
 
-    def measured(self, width: int, nbytes: int, seconds: float) -> None:
-        """A batch of ``nbytes`` ran at ``width`` connections per server in ``seconds``. A batch
-        at neither the current width nor the probe's (one ``cap`` narrowed) teaches nothing."""
-        if not self.adaptive or nbytes < MEASURED_BYTES or seconds <= 0:
+    def measured(self, width: int, values: int, nbytes: int, seconds: float) -> None:
+        """A batch of ``values`` values, ``nbytes`` in all, ran at ``width`` connections per
+        server in ``seconds``. A batch at neither the current width nor the probe's (one ``cap``
+        narrowed) teaches nothing."""
+        if not self.adaptive or nbytes < MEASURED_BYTES or values < min(2 * self._current, self.most) \
+                or seconds <= 0:
             return
         rate = nbytes / seconds
         with self._lock:
