@@ -325,10 +325,10 @@ class RedisStoreBase(Store):
         lazily: each value is sent by one of the sender threads as soon as the iterable produces
         it, so a caller that encodes value i+1 in its generator does so while value i is on the
         wire. A single server's batch is spread over up to ``connections`` connections (as many
-        as pay for themselves: ``adapt_writes``, ``spread.py``; one is sent from this thread), a
-        cluster's over every node it touches at once (``connections`` shared out over the
-        nodes, at least one each), and each value goes to the sender of its server with the fewest bytes so far,
-        so the bytes split evenly (as a read's keys do). A value a cluster node redirects (its
+        as pay for themselves: ``adapt_writes``, ``spread.py``; a batch on one is sent from this
+        thread), a cluster's over every node it touches at once (``connections`` shared out over
+        the nodes, at least one each), and each value goes to the sender of its server with the
+        fewest bytes so far, so the bytes split evenly (as a read's keys do). A value a cluster node redirects (its
         slot moved) is sent again through the client's pipeline, which follows the redirection.
         Writes use the write client's connections and threads; one batch at a time streams."""
         sent = [0, 0]  # values taken from ``items`` so far, and their bytes
@@ -384,10 +384,10 @@ class RedisStoreBase(Store):
     def _send_streamed(self, routes: tuple[Callable[[str], Any], int],
                        items: Iterator[tuple[str, WriteValue]], per_server: int) -> None:
         """SETs of ``items`` by ``per_server`` sender threads per server, each value queued as
-        soon as ``items`` yields it (``put_many``). Values whose server has no sender (no route now, or no thread could be
-        started: at interpreter exit executors refuse work before ``atexit`` hooks run, and the
-        last background writes must still go out) and values a node redirected go through the
-        client's pipeline from this thread afterwards. The caller holds ``_streaming``: a batch
+        soon as ``items`` yields it (``put_many``). Values whose server has no sender (no route
+        now, or no thread could be started: at interpreter exit executors refuse work before
+        ``atexit`` hooks run, and the last background writes must still go out) and values a
+        node redirected go through the client's pipeline from this thread afterwards. The caller holds ``_streaming``: a batch
         whose senders could not all run at once would wait forever on one that never starts."""
         route, _ = routes
         senders: dict[int, list[Sender]] = {}  # by id() of their server's pool

@@ -28,9 +28,9 @@ queue backs up, its batches grow and the width follows the link:
   tries the other way. The width settles in a few batches and is rechecked now and then after,
   so a link whose cap changes is followed.
 
-A batch's rate is its bytes over its time from the first send to the last reply, which includes
-the caller producing its values where that is the slower part: a width that only waits on the
-caller faster is no faster.
+A batch's rate is its bytes over its time from the first send to the last reply. That includes
+the caller producing its values where that is the slower part, as it should: more connections
+that only wait for the caller are no faster.
 """
 
 from __future__ import annotations
