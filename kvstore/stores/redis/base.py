@@ -321,16 +321,17 @@ class RedisStoreBase(Store):
                     slot.lease = None
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
-        """SETs over direct sockets (a cluster's go to each key's node). ``items`` is consumed
-        lazily: each value is sent by one of the sender threads as soon as the iterable produces
-        it, so a caller that encodes value i+1 in its generator does so while value i is on the
-        wire. A single server's batch is spread over up to ``connections`` connections (as many
-        as pay for themselves: ``adapt_writes``, ``spread.py``; a batch on one is sent from this
-        thread), a cluster's over every node it touches at once (``connections`` shared out over
-        the nodes, at least one each), and each value goes to the sender of its server with the
-        fewest bytes so far, so the bytes split evenly (as a read's keys do). A value a cluster node redirects (its
-        slot moved) is sent again through the client's pipeline, which follows the redirection.
-        Writes use the write client's connections and threads; one batch at a time streams."""
+        """SETs over direct sockets (a cluster's go to each key's node). A single server's batch
+        is spread over up to ``connections`` connections, as many as pay for themselves
+        (``adapt_writes``, ``spread.py``); a cluster's over every node it touches at once
+        (``connections`` shared out over the nodes, at least one each). A batch on one
+        connection is sent from this thread. Otherwise ``items`` is consumed lazily: each value
+        is sent by a sender thread as soon as the iterable produces it, so a caller that encodes
+        value i+1 in its generator does so while value i is on the wire, and each value goes to
+        the sender of its server with the fewest bytes so far, so the bytes split evenly (as a
+        read's keys do). A value a cluster node redirects (its slot moved) is sent again through
+        the client's pipeline, which follows the redirection. Writes use the write client's
+        connections and threads; one batch at a time streams."""
         sent = [0, 0]  # values taken from ``items`` so far, and their bytes
 
         def tallied() -> Iterator[tuple[str, WriteValue]]:
@@ -387,8 +388,9 @@ class RedisStoreBase(Store):
         soon as ``items`` yields it (``put_many``). Values whose server has no sender (no route
         now, or no thread could be started: at interpreter exit executors refuse work before
         ``atexit`` hooks run, and the last background writes must still go out) and values a
-        node redirected go through the client's pipeline from this thread afterwards. The caller holds ``_streaming``: a batch
-        whose senders could not all run at once would wait forever on one that never starts."""
+        node redirected go through the client's pipeline from this thread afterwards. The
+        caller holds ``_streaming``: a batch whose senders could not all run at once would wait
+        forever on one that never starts."""
         route, _ = routes
         senders: dict[int, list[Sender]] = {}  # by id() of their server's pool
         redirected: list[tuple[str, WriteValue]] = []  # told MOVED or ASK
