@@ -320,3 +320,24 @@ def test_openai_server_metrics_show_kvstore_after_a_hit(tmp_path):
     # vLLM's own view of the same hit, in the same scrape.
     assert _sum(after, "vllm:external_prefix_cache_hits_total") >= 256 or \
         _sum(after, "vllm:prompt_tokens_cached_total") >= 256
+
+
+def test_a_registry_gone_takes_its_baseline_with_it():
+    """Baselines are per registry object, not per ``id()``: a registry built after another was
+    collected (CPython often gives it the same id) starts from nothing, not from the dead one's
+    counts."""
+    import gc
+    import weakref
+
+    old = private_registry()
+    old.counter("kvstore_bytes_read_total", "", ("tier",)).inc(1000, tier="redis")
+    collect_stats(old)
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None  # nothing kept it alive
+    for _ in range(50):  # whichever of these reuses the id, its first poll is its own count
+        new = private_registry()
+        new.counter("kvstore_bytes_read_total", "", ("tier",)).inc(15, tier="redis")
+        assert by_name(collect_stats(new))[("c", "kvstore_bytes_read_total", ("redis",), "")] == 15
+        del new

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -157,7 +158,9 @@ def measurements_from_data(data: dict[str, Any]) -> cost.Measurements:
     return out
 
 
-_BASELINES: dict[int, _Baseline] = {}
+# Keyed by the registry itself, weakly: an id() outlives its registry, and a new registry given
+# the same id would start from the dead one's baseline (deltas against counts it never had).
+_BASELINES: weakref.WeakKeyDictionary[Registry, _Baseline] = weakref.WeakKeyDictionary()
 _BASELINES_LOCK = threading.Lock()
 
 
@@ -167,7 +170,7 @@ def collect_stats(registry: Registry = REGISTRY) -> KVStoreStats | None:
     What ``get_kv_connector_stats`` returns, on both roles.
     """
     with _BASELINES_LOCK:
-        baseline = _BASELINES.setdefault(id(registry), _Baseline())
+        baseline = _BASELINES.setdefault(registry, _Baseline())
     data = baseline.deltas(registry)
     return KVStoreStats(data=data) if data else None
 
