@@ -351,7 +351,7 @@ class RedisStoreBase(Store):
             if routes is not None and len(head) == 2 and (width > 1 or one is None):
                 with self._streaming:  # one batch's senders at a time: they need every thread at once
                     start = time.perf_counter()
-                    self._send_streamed(routes, itertools.chain(head, it), width)
+                    self._send_streamed(routes[0], itertools.chain(head, it), width)
             elif one is not None:
                 start, width = time.perf_counter(), 1
                 self._send_here(one, [*head, *it])
@@ -382,16 +382,16 @@ class RedisStoreBase(Store):
         if batch:
             exchange(pool, [self._set_command(*item) for item in batch], on_reply, self.config.retries)
 
-    def _send_streamed(self, routes: tuple[Callable[[str], Any], int],
-                       items: Iterator[tuple[str, WriteValue]], per_server: int) -> None:
+    def _send_streamed(self, route: Callable[[str], Any], items: Iterator[tuple[str, WriteValue]],
+                       per_server: int) -> None:
         """SETs of ``items`` by ``per_server`` sender threads per server, each value queued as
         soon as ``items`` yields it (``put_many``). Values whose server has no sender (no route
         now, or no thread could be started: at interpreter exit executors refuse work before
         ``atexit`` hooks run, and the last background writes must still go out) and values a
         node redirected go through the client's pipeline from this thread afterwards. The
         caller holds ``_streaming``: a batch whose senders could not all run at once would wait
-        forever on one that never starts."""
-        route, _ = routes
+        forever on one that never starts. ``route`` maps a key to its server's pool
+        (``_write_routes``)."""
         senders: dict[int, list[Sender]] = {}  # by id() of their server's pool
         redirected: list[tuple[str, WriteValue]] = []  # told MOVED or ASK
         here: list[tuple[str, WriteValue]] = []  # no sender: from this thread

@@ -15,9 +15,10 @@ the link). Other batches run at whatever width is current and teach nothing. A b
 writer that keeps up sends a record or two per batch and so stays on one connection; once its
 queue backs up, its batches grow and the width follows the link:
 
+* The first measured batch at any width (the store's first, a probe's first at a new width)
+  opens its connections and teaches nothing; a probe is then handed out again.
 * Every so many measured batches, one is a probe at a neighbouring width: double the current
-  width, or half of it, in turn (where there is one). The first probe at a width never used
-  before opens its connections and teaches nothing: the next batch probes it again.
+  width, or half of it, in turn (where there is one).
 * A probe at a wider width is kept when its extra connections each moved at least ``WIDEN`` of
   what one connection of the current width moves (a doubling: 1.5x as fast as the recent
   batches at the current width); a probe at a narrower width when the current width's extra
@@ -60,8 +61,7 @@ class WriteSpread:
         self.adaptive = adaptive
         self._current = 1 if adaptive else most
         self._rate = 0.0  # bytes/s of recent measured batches at the current width (0: none yet)
-        self._first = True  # the first measured batch also paid for connecting: it is not counted
-        self._tried = {self._current}  # widths whose connections are open (the first probe of one opens them)
+        self._tried: set[int] = set()  # widths a measured batch ran at: their connections are open
         self._probe = 0  # the width of the probe handed out and not yet measured (0: none)
         self._gap = FIRST_GAP
         self._since_probe = 0
@@ -95,16 +95,15 @@ class WriteSpread:
             return
         rate = nbytes / seconds
         with self._lock:
-            if self._first:
-                self._first = False
+            if width not in self._tried:
+                # The first batch at a width paid for opening its connections (and, on a real
+                # network, TCP's slow start): a warm-up. A probe's is handed out again next.
+                self._tried.add(width)
+                if width == self._probe:
+                    self._probe = 0
             elif width == self._current:
                 self._rate = rate if not self._rate else (self._rate + rate) / 2
                 self._since_probe += 1
-            elif width == self._probe and width not in self._tried:
-                # Its new connections paid for connecting (and, on a real network, TCP's slow
-                # start): that probe is a warm-up, and the next batch probes the same width again.
-                self._tried.add(width)
-                self._probe = 0
             elif width == self._probe:
                 self._probe, self._since_probe = 0, 0
                 if _pays(width, rate, self._current, self._rate, WIDEN) if width > self._current \
