@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import cpu_self, machine, memory_limits, raw_get_window
+from common import cpu_self, machine, memory_limits, raw_get_window, raw_window
 
 from kvstore.buffers import BufferPool
 from kvstore.keys import Namespace
@@ -59,7 +59,6 @@ from kvstore.stores.base import LeaseStream, Place, Store, WrapperStore
 from kvstore.stores.redis.raw import RawRedis
 
 LAYERS, HEADS, HEAD, TOKENS = 32, 8, 128, 256
-WINDOW = 64 << 20
 
 
 class HashAgain(WrapperStore):
@@ -247,7 +246,7 @@ class Backend:
         views = [memoryview(b) for b in buffers]
         if self.kind == "redis":
             client = RawRedis(port=self._server.port)
-            window = max(1, WINDOW // max(len(b) for b in buffers))
+            window = raw_window(max(len(b) for b in buffers))
             return lambda: raw_get_window(client, keys, views, window)
         if self.kind == "file":
             store = open_store(self.url)

@@ -30,8 +30,8 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
   LMCache resp://    the same with its C++ RESP client (8 threads)
   raw zero-copy      the physical ceiling: one connection, pipelined SETs sent straight from the
                      encoded records, pipelined GETs received (recv_into) into preallocated,
-                     touched buffers, 64 MiB of them requested ahead as kvstore's reads do
-                     (``common.raw_get_window``); no validation, no copy (kvstore/stores/redis/raw.py).
+                     touched buffers, as many requested ahead as kvstore's reads keep
+                     (``common.raw_window``); no validation, no copy (kvstore/stores/redis/raw.py).
                      Asked for all 16 x 32 MiB at once, the server spent 1.16-1.36 CPU s per GB
                      building the replies instead of 0.82 (measured side by side in one run,
                      benchmarks/results/tiers.md): the ceiling ran at 0.66 GB/s and kvstore read
@@ -104,7 +104,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import cpu_self, machine, memory_limits, raw_get_window
+from common import cpu_self, machine, memory_limits, raw_get_window, raw_window
 
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import Namespace
@@ -119,7 +119,6 @@ SHAPES = {  # name: (layers, kv heads, head size, tokens per chunk)
     "3MiB": (24, 2, 64, 256),
 }
 LOOKUP_REPS = 15  # lookups per path per round
-WINDOW_BYTES = 64 << 20  # GETs the raw client requests ahead: kvstore's own budget (redis/base.py)
 
 
 class Data:
@@ -345,7 +344,7 @@ class RawPath:
         self.client = RawRedis(port=port)
         self.items = [(k.encode(), memoryview(v)) for k, v in kv.items]
         self.buffers = [memoryview(np.ones(len(v), dtype=np.uint8)) for _, v in kv.items]  # touched
-        self.window = max(1, WINDOW_BYTES // max(len(v) for _, v in kv.items))
+        self.window = raw_window(max(len(v) for _, v in kv.items))
 
     def put(self) -> None:
         self.client.set_many(self.items)
@@ -402,7 +401,7 @@ class RawPathSpread(RawPath):
         super().__init__(port, kv)
         self.client.close()
         self.clients = [RawRedis(port=port) for _ in range(n)]
-        self.window = max(1, WINDOW_BYTES // (n * max(len(v) for _, v in kv.items)))
+        self.window = raw_window(max(len(v) for _, v in kv.items), n)
         self.pool = ThreadPoolExecutor(n)
 
     def _each(self, fn) -> None:

@@ -11,7 +11,7 @@ then each round loads it through every path in turn:
                          ceiling of any load that copies once
   raw 1 server           the raw zero-copy client (one connection, GETs received with
                          ``recv_into`` into preallocated buffers; no verification, no scatter),
-                         GETs requested 64 MiB ahead (``common.raw_get_window``)
+                         as many GETs requested ahead as kvstore keeps (``common.raw_window``)
   raw, all at once       the same client asking for every record at once (how the raw rows of
                          bench_peer_lmcache.py and bench_transfer.py asked before): the server
                          builds every reply before it sends one, at more CPU per GB
@@ -61,7 +61,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import apply_switch_interval, cpu_self, machine, memory_limits, raw_get_window, switch_interval_arg
+from common import (
+    apply_switch_interval,
+    cpu_self,
+    machine,
+    memory_limits,
+    raw_get_window,
+    raw_window,
+    switch_interval_arg,
+)
 
 from kvstore.keys import Namespace
 from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
@@ -75,7 +83,6 @@ from kvstore.stores.shm import ShmStore
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS = 32, 8, 128, 16, 160
 PREFIXES = (256, 2048)  # tokens: 32 MiB and 268 MB of KV
 TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD * 2
-WINDOW = 64 << 20  # the raw client's GETs requested ahead: kvstore's own budget (redis/base.py)
 
 
 def paged_cache(seed: int) -> list[torch.Tensor]:
@@ -174,7 +181,7 @@ def run(reds: list[servers.RedisServer], shm: ShmStore, cold_shm: ShmStore, args
                 raise SystemExit(f"{name}: loaded KV differs from the saved KV ({n} of {n_tokens} tokens)")
         records = stores["redis x1"].get_many(keys)
         buffers = [memoryview(np.ones(len(r), dtype=np.uint8)) for r in records]  # touched: resident
-        window = max(1, WINDOW // max(len(r) for r in records))
+        window = raw_window(max(len(r) for r in records))
         a, b = np.ones(kv_bytes, dtype=np.uint8), np.ones(kv_bytes, dtype=np.uint8)
         print(f"\n{n_tokens} tokens: {kv_bytes / 1e6:.0f} MB of KV in {len(keys)} records of "
               f"{len(records[0]) / 2**20:.2f} MiB; every path's loaded KV equals the saved KV", flush=True)

@@ -80,6 +80,21 @@ def memory_limits(nbytes: int = 128 << 20, reps: int = 5) -> str:
             f"xxh3 in cache {cached[0]:.1f} GB/s (medians of {reps}, {nbytes >> 20} MiB)")
 
 
+def raw_window(size: int, connections: int = 1) -> int:
+    """GETs of ``size``-byte values the raw client keeps requested ahead on each of
+    ``connections`` connections: what kvstore's reads keep ahead of a batch on one server
+    (``requested_ahead`` with the budget and limit of ``kvstore/stores/redis/base.py``), shared
+    out over the connections. A ceiling run with a deeper window than kvstore's is no ceiling:
+    asked for 16 values of 3 MiB at once, the server builds 48 MiB of replies, which leave its
+    CPU's cache before they are sent, and the raw client read at half its speed with two ahead
+    (benchmarks/results/peer_lmcache.md, run 12)."""
+    from kvstore.stores.redis.base import _IN_FLIGHT_BYTES, _IN_FLIGHT_LIMIT
+    from kvstore.stores.redis.waves import requested_ahead
+
+    ahead = requested_ahead(size, _IN_FLIGHT_BYTES, _IN_FLIGHT_LIMIT, connections)
+    return max(1, -(-ahead // connections))
+
+
 def raw_get_window(client, keys, buffers, window: int) -> None:
     """Pipelined GETs of ``keys`` into ``buffers`` with the raw zero-copy client (``RawRedis``),
     keeping ``window`` of them requested ahead of the one being received.
@@ -87,8 +102,8 @@ def raw_get_window(client, keys, buffers, window: int) -> None:
     Sent all at once, the server builds every reply before it sends the first byte (it reads all
     of a connection's commands in one pass), so the client waits through all of that copying
     with nothing to receive; with a window the server builds reply i+1 while reply i is on the
-    wire. kvstore's own reads keep about 64 MiB requested ahead (``kvstore/stores/redis/waves.py``):
-    a ceiling should get the same chance."""
+    wire. ``raw_window`` gives the window kvstore's own reads keep: a ceiling should get the same
+    chance."""
     from kvstore.stores.redis.raw import _key_bytes, _view
 
     for key in keys[:window]:

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvstore.stores.redis.waves import Cancelled, Waves
+from kvstore.stores.redis.waves import Cancelled, Waves, requested_ahead
 
 MiB = 1 << 20
 
@@ -83,3 +83,20 @@ def test_a_batch_starts_with_one_value_per_connection_and_ramps_up_to_the_budget
     assert waves.frontier() == 40
     big = Waves(40, budget=64 * MiB, size_hint=32 * MiB, connections=4)
     assert big.frontier() == 2  # the budget caps the first wave too
+
+
+def test_the_budget_keeps_two_values_ahead_and_one_per_connection_up_to_the_limit():
+    """``requested_ahead``: as many values as fit the (cache-sized) budget, at least two and at
+    least one per connection, never more than the limit holds, never fewer than one."""
+    budget, limit = 8 * MiB, 64 * MiB
+    assert requested_ahead(3 * MiB, budget, limit) == 2  # the budget holds two
+    assert requested_ahead(256 << 10, budget, limit) == 32
+    assert requested_ahead(32 * MiB, budget, limit) == 2  # two at least: 64 MiB, the limit
+    assert requested_ahead(3 * MiB, budget, limit, connections=4) == 4  # one per connection
+    assert requested_ahead(32 * MiB, budget, limit, connections=4) == 2  # the limit wins
+    assert requested_ahead(64 * MiB, budget, limit) == 1
+    assert requested_ahead(100 * MiB, budget, limit) == 1  # one at least, whatever the limit
+    waves = Waves(40, budget=budget, size_hint=3 * MiB, connections=1, limit=limit)
+    assert waves.frontier() == 1  # the ramp still starts at one value per connection
+    waves.received(3 * MiB)
+    assert waves.frontier() == 1 + 2

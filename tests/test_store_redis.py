@@ -178,12 +178,13 @@ def test_writes_stay_on_one_connection_where_more_do_not_pay(redis_server):
 
 @pytest.mark.parametrize("connections", [1, 3])
 def test_reads_in_waves_return_every_value_in_order(redis_server, monkeypatch, connections):
-    """GETs go out in waves that keep a window of replies requested ahead (here 1 MiB, so
-    values of 300 KiB to 2 MiB mix waves of one, two and three); misses size no window."""
+    """GETs go out in waves that keep a window of replies requested ahead (here 1 MiB at most,
+    so values of 300 KiB to 2 MiB mix waves of one, two and three); misses size no window."""
     from kvstore.buffers import BufferPool
     from kvstore.stores.redis import base as redis_base
 
     monkeypatch.setattr(redis_base, "_IN_FLIGHT_BYTES", 1 << 20)
+    monkeypatch.setattr(redis_base, "_IN_FLIGHT_LIMIT", 1 << 20)
     sizes = [300 << 10, 2 << 20, 0, 700 << 10, 1 << 20, 64, 0, 1500 << 10] * 3
     values = {f"{_K}/wave/{i:02d}": os.urandom(n) for i, n in enumerate(sizes) if n}
     keys = [f"{_K}/wave/{i:02d}" for i in range(len(sizes))]

@@ -11,9 +11,10 @@ their final size, over direct sockets (``direct``). A batch of large values is s
 shared out over them), each sent and read by its own thread with the GIL released in the
 socket calls; ``get_into`` yields value i while values after it are still arriving, and
 ``put_many`` sends value i while its caller produces value i+1. GETs go out in waves under one
-budget per batch (about 64 MiB of replies requested ahead, whatever the number of connections:
-``waves.py``), so the server never builds a whole batch of large replies before sending the
-first. On one server, batches of EXISTS and DEL (lookups, discards) go over a direct socket
+budget per batch (about 8 MiB of replies requested ahead, at least two values and one per
+connection, at most 64 MiB, whatever the number of connections: ``waves.py``), so the server
+never builds a whole batch of large replies before sending the first, and builds the next ones
+while they still fit its CPU's cache. On one server, batches of EXISTS and DEL (lookups, discards) go over a direct socket
 too, as one packed buffer whose integer replies are read in place.
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
@@ -57,7 +58,10 @@ _SCAN_COUNT = 1000
 # hiredis; 1 MiB pieces halve the cost of multi-MiB GETs.
 _READ_SIZE = 1 << 20
 
-_IN_FLIGHT_BYTES = 64 << 20  # a batch of GETs keeps about this much of its replies requested ahead (Waves)
+# A batch of GETs keeps about this much of its replies requested ahead per server, and at most
+# the limit (Waves: what the server builds in its CPU's cache, and the silence a socket may see).
+_IN_FLIGHT_BYTES = 8 << 20
+_IN_FLIGHT_LIMIT = 64 << 20
 
 #: A pipelined command: the client method's name, its arguments and its keyword arguments.
 _Command = tuple[str, tuple[Any, ...], dict[str, Any]]
@@ -264,14 +268,14 @@ class RedisStoreBase(Store):
 
         with self._errors():
             exchange(pool, [hooks.pack_command("GET", self._key(k)) for k in keys], on_reply, self.config.retries,
-                     Waves(len(keys), _IN_FLIGHT_BYTES))
+                     Waves(len(keys), _IN_FLIGHT_BYTES, limit=_IN_FLIGHT_LIMIT))
         return out
 
     def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Values received straight into leases of ``pool`` over ``connections`` connections per
         server (on a cluster: to every node of the batch at once), under one ``Waves`` budget of
-        about ``_IN_FLIGHT_BYTES`` requested ahead per server; value i is yielded while later
-        ones are still arriving. A cluster whose slots moved under a batch finishes it through the
+        about ``_IN_FLIGHT_BYTES`` requested ahead per server (``_IN_FLIGHT_LIMIT`` at most);
+        value i is yielded while later ones are still arriving. A cluster whose slots moved under a batch finishes it through the
         client's pipeline, which follows the redirections. The direct readers land values where
         ``place`` says (the store contract), the pipeline's in their leases."""
         routes = self._direct_reads(keys) if keys else None
@@ -293,7 +297,8 @@ class RedisStoreBase(Store):
                    for n in [max(1, min(per_server, len(share)))] for r in range(n)]
         # One budget per server: each builds only its own replies (a cluster's keys spread over
         # its nodes evenly, by hash slot), so the silence a socket can see stays that of one.
-        waves = Waves(len(keys), _IN_FLIGHT_BYTES * len(routes), self._reply_size, len(readers))
+        waves = Waves(len(keys), _IN_FLIGHT_BYTES * len(routes), self._reply_size, len(readers),
+                      limit=_IN_FLIGHT_LIMIT * len(routes))
         futures: list[Future[None]] = []
         try:
             threads = self._threads()

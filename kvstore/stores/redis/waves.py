@@ -7,11 +7,19 @@ connections each asking for a 32 MiB value at once, the last socket waits for 12
 copying, which is a long silence on a busy server and a read deadline missed. A window per
 connection would multiply that silence by the number of connections. ``Waves`` bounds the batch
 instead (a cluster's batch gets one budget per node it reads: each node builds only its own
-replies). Value ``j`` may be requested once ``j < received + budget / size``. Before the first
-reply the size is the caller's hint (the store's previous batch), or unknown, and then only
-value 0 may be requested. Each connection requests its own values (value
-``j`` on connection ``j mod N``) up to that frontier, so consecutive values arrive on different
-sockets at once, in the order a consumer takes them.
+replies).
+
+The bound has two parts. ``budget`` is what the server can build while its replies stay in its
+CPU's cache: replies built further ahead are evicted before the socket sends them and read back
+from memory, so requesting every 3 MiB value of a batch at once runs at half the speed of two at
+a time (benchmarks/results/peer_lmcache.md, run 12). At least two values are requested (one on
+the wire while the next is built) and at least one per connection (each connection's link
+carries its own share), unless that passes ``limit``, the silence a socket may wait through.
+Value ``j`` may be requested once ``j < received + ahead``. Before the first reply the size is
+the caller's hint (the store's previous batch), or unknown, and then only value 0 may be
+requested. Each connection requests its own values (value ``j`` on connection ``j mod N``) up
+to that frontier, so consecutive values arrive on different sockets at once, in the order a
+consumer takes them.
 
 The batch also starts small: one value per connection, then as many more as have arrived. The
 first values then reach the consumer after one value's worth of server work instead of the
@@ -27,17 +35,27 @@ class Cancelled(Exception):
     """The batch was abandoned (by its consumer, or because another connection failed)."""
 
 
+def requested_ahead(size: int, budget: int, limit: int, connections: int = 1) -> int:
+    """How many values of ``size`` bytes a batch keeps requested and not yet received: as many
+    as ``budget`` holds, at least two and at least one per connection, at most as many as
+    ``limit`` holds, and never fewer than one (the module docstring says why)."""
+    return max(1, min(limit // size, max(budget // size, 2, connections)))
+
+
 class Waves:
     """The frontier of a batch of ``n`` GETs: the values below it may be requested.
 
-    ``budget`` is in bytes of replies requested and not yet received (``None``: no limit, every
-    value at once). ``received(size)`` is called after each reply. ``frontier(waiting_for=j)``
-    blocks until value ``j`` may be requested. ``cancel()`` wakes every waiting connection,
-    whose next call raises ``Cancelled``.
+    ``budget`` and ``limit`` are in bytes of replies requested and not yet received
+    (``requested_ahead``; ``limit`` defaults to ``budget``; a ``budget`` of ``None``: every value
+    at once). ``received(size)`` is called after each reply. ``frontier(waiting_for=j)`` blocks
+    until value ``j`` may be requested. ``cancel()`` wakes every waiting connection, whose next
+    call raises ``Cancelled``.
     """
 
-    def __init__(self, n: int, budget: int | None, size_hint: int = 0, connections: int = 1) -> None:
+    def __init__(self, n: int, budget: int | None, size_hint: int = 0, connections: int = 1,
+                 limit: int | None = None) -> None:
         self._n, self._budget, self._connections = n, budget, max(1, connections)
+        self._limit = limit if limit is not None else (budget or 0)
         self._cond = threading.Condition()
         self._received = 0
         self._size = size_hint  # the largest reply seen (or hinted): the estimate for the rest
@@ -53,8 +71,9 @@ class Waves:
             return self._n
         if self._size == 0:
             ahead = 1
-        else:  # the budget, reached by a ramp that starts at one value per connection
-            ahead = max(1, min(self._budget // self._size, self._connections + self._received))
+        else:  # reached by a ramp that starts at one value per connection
+            most = requested_ahead(self._size, self._budget, self._limit, self._connections)
+            ahead = min(most, self._connections + self._received)
         return min(self._n, self._received + ahead)
 
     def frontier(self, waiting_for: int | None = None) -> int:
