@@ -176,6 +176,84 @@ def test_writes_stay_on_one_connection_where_more_do_not_pay(redis_server):
         assert store.describe()["write_connections"] <= 2  # loopback noise may leave it in the band
 
 
+def _widths(carried_before: list[int], carried_after: list[int], value: int) -> int:
+    """How many connections carried a value or more between two counts of a proxy's."""
+    return sum(1 for i, n in enumerate(carried_after)
+               if n - (carried_before[i] if i < len(carried_before) else 0) >= value)
+
+
+def test_reads_widen_to_every_connection_where_the_link_caps_each_one(redis_server, monkeypatch):
+    """``adapt_reads`` (the default): the first read batch comes over one connection; through a
+    link that caps each connection the batches widen to all ``connections`` within a few, and
+    every value arrives in order. Batches of 2 MiB are measured (a slow link: see the write
+    test)."""
+    from kvstore.buffers import BufferPool
+    from kvstore.stores.redis import spread
+    from kvstore.testing.proxy import ShapedProxy
+
+    monkeypatch.setattr(spread, "MEASURED_BYTES", 1 << 20)
+    redis_server.flushall()
+    items = [(f"{_K}/rwiden/{i:02d}", bytes([i]) * (256 << 10)) for i in range(8)]
+    keys = [k for k, _ in items]
+    with open_store(redis_server.url) as writer:
+        writer.put_many(items)
+    proxy = ShapedProxy(redis_server.port, rate=5e6)
+    pool = BufferPool(16 << 20)
+    try:
+        with open_store(f"redis://127.0.0.1:{proxy.port}/0?connections=4&timeout=30s") as store:
+            widths = []
+            for _ in range(14):
+                before = proxy.bytes_received()
+                got = [(bytes(lease.view), lease.release())[0] for lease in store.get_into(keys, pool)]
+                widths.append(_widths(before, proxy.bytes_received(), 256 << 10))
+                assert got == [v for _, v in items]
+            assert widths[0] == 1, widths
+            assert store.describe()["read_connections"] == 4, widths
+            assert widths[-6:].count(4) >= 4, widths
+    finally:
+        proxy.close()
+
+
+def test_a_read_on_one_connection_keeps_it_unless_left_mid_batch(redis_server):
+    """A batch on one connection is read on the caller's thread. A caller that takes every
+    value (even one that zips the keys with the values and so never asks past the last) leaves
+    the connection in step, and the next batch reuses it; one that stops early leaves replies on
+    the wire, and that connection is dropped, never reused."""
+    from kvstore.buffers import BufferPool
+
+    redis_server.flushall()
+    items = [(f"{_K}/here/{i:02d}", os.urandom(1 << 20)) for i in range(6)]
+    keys = [k for k, _ in items]
+    pool = BufferPool(16 << 20)
+    with open_store(f"{redis_server.url}?connections=1") as store:
+        store.put_many(items)
+        with redis_server.client() as admin:
+            def readers() -> set[str]:  # the server's connections whose last command was a GET
+                return {c["id"] for c in admin.client_list() if c.get("cmd") == "get"}
+
+            seen = []
+            for _ in range(3):
+                got = []
+                stream = store.get_into(keys, pool)
+                for _key, lease in zip(keys, stream):
+                    got.append(bytes(lease.view))
+                    lease.release()
+                stream.close()
+                assert got == [v for _, v in items]
+                seen.append(readers())
+            assert len(seen[0]) == 1 and seen == [seen[0]] * 3, seen  # one connection, reused
+            stream = store.get_into(keys, pool)
+            first = next(stream)
+            assert bytes(first.view) == items[0][1]
+            first.release()
+            stream.close()  # replies still on their way: the connection goes
+            assert store.get_many(keys) == [v for _, v in items]  # over a fresh connection, in step
+            deadline = time.monotonic() + 5
+            while readers() & seen[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert readers() and not readers() & seen[0], (readers(), seen[0])
+
+
 @pytest.mark.parametrize("connections", [1, 3])
 def test_reads_in_waves_return_every_value_in_order(redis_server, monkeypatch, connections):
     """GETs go out in waves that keep a window of replies requested ahead (here 1 MiB at most,

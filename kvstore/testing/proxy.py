@@ -75,6 +75,7 @@ class ShapedProxy:
         self.port = self._listener.getsockname()[1]
         self._open = True
         self._upstream: list[_Pipe] = []  # client to server, one per connection, in accept order
+        self._downstream: list[_Pipe] = []  # server to client, likewise
         threading.Thread(target=self._accept, daemon=True).start()
 
     def shape(self, *, delay: float, rate: float) -> None:
@@ -84,6 +85,10 @@ class ShapedProxy:
     def bytes_sent(self) -> list[int]:
         """Bytes each connection has sent towards the server so far, in the order they connected."""
         return [pipe.carried for pipe in self._upstream]
+
+    def bytes_received(self) -> list[int]:
+        """Bytes each connection has carried back from the server so far, in the order they connected."""
+        return [pipe.carried for pipe in self._downstream]
 
     def _accept(self) -> None:
         while self._open:
@@ -99,7 +104,7 @@ class ShapedProxy:
             for s in (client, server):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._upstream.append(_Pipe(client, server, self.delay, self.rate))
-            _Pipe(server, client, self.delay, self.rate)
+            self._downstream.append(_Pipe(server, client, self.delay, self.rate))
 
     def close(self) -> None:
         self._open = False

@@ -49,8 +49,17 @@ from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from kvstore.stores.base import LeaseStream, Place, Store, Value, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import MAX_SPREAD, RedisConfig
-from kvstore.stores.redis.direct import Sender, Slot, as_redis_error, exchange, is_redirect, read_into, run_sender
-from kvstore.stores.redis.spread import WriteSpread
+from kvstore.stores.redis.direct import (
+    Sender,
+    Slot,
+    as_redis_error,
+    exchange,
+    is_redirect,
+    read_here,
+    read_into,
+    run_sender,
+)
+from kvstore.stores.redis.spread import Spread
 from kvstore.stores.redis.waves import Waves
 
 _SCAN_COUNT = 1000
@@ -85,8 +94,9 @@ class RedisStoreBase(Store):
         self._closed = False
         #: Connections (and threads) one batch of large values is spread over.
         self._spread = min(config.connections, config.max_connections)
-        #: Connections per server of the next write batch: up to ``_spread``, learned (spread.py).
-        self._write_spread = WriteSpread(self._spread, adaptive=config.adapt_writes)
+        #: Connections per server of the next write and read batch: up to ``_spread``, learned (spread.py).
+        self._write_spread = Spread(self._spread, adaptive=config.adapt_writes)
+        self._read_spread = Spread(self._spread, adaptive=config.adapt_reads)
         self._reply_size = 0  # the largest value of the last get_into: the next one's first wave
         self._executors: dict[bool, ThreadPoolExecutor] = {}  # reads' and writes' threads (writes=True)
         self._streaming = threading.Lock()  # held by the one write batch whose senders run
@@ -272,8 +282,9 @@ class RedisStoreBase(Store):
         return out
 
     def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
-        """Values received straight into leases of ``pool`` over ``connections`` connections per
-        server (on a cluster: to every node of the batch at once), under one ``Waves`` budget of
+        """Values received straight into leases of ``pool`` over up to ``connections`` connections
+        per server, as many as pay for themselves (``adapt_reads``, ``spread.py``; on a cluster:
+        to every node of the batch at once), under one ``Waves`` budget of
         about ``_IN_FLIGHT_BYTES`` requested ahead per server (``_IN_FLIGHT_LIMIT`` at most);
         value i is yielded while later ones are still arriving. A cluster whose slots moved under a batch finishes it through the
         client's pipeline, which follows the redirections. The direct readers land values where
@@ -289,37 +300,62 @@ class RedisStoreBase(Store):
     def _get_into_direct(self, keys: Sequence[str], routes: list[tuple[Any, list[int]]],
                          pool: BufferPool, place: Place | None) -> Generator[Lease | None, None, int]:
         """The direct part of ``get_into``; returns how many values it yielded (all of them
-        unless a key was redirected)."""
-        slots = [Slot() for _ in keys]
+        unless a key was redirected). A batch on one connection is read on this thread, each
+        value when the caller asks for it (the kernel receives the next meanwhile); a wider one
+        by a reader thread per connection."""
         commands = [hooks.pack_command("GET", self._key(k)) for k in keys]
-        per_server = max(1, self._spread // len(routes))
+        per_server = self._read_spread.width(max(1, self._spread // len(routes)))
         readers = [(direct, share[r::n]) for direct, share in routes
                    for n in [max(1, min(per_server, len(share)))] for r in range(n)]
         # One budget per server: each builds only its own replies (a cluster's keys spread over
         # its nodes evenly, by hash slot), so the silence a socket can see stays that of one.
         waves = Waves(len(keys), _IN_FLIGHT_BYTES * len(routes), self._reply_size, len(readers),
                       limit=_IN_FLIGHT_LIMIT * len(routes))
+        if len(readers) == 1:
+            values = read_here(*readers[0], commands, pool, waves, self.config.retries, place)
+        else:
+            values = self._read_by_threads(readers, commands, pool, waves, place)
+        done = nbytes = 0
+        start = time.perf_counter()
+        try:
+            for lease in values:
+                done += 1
+                nbytes += 0 if lease is None else len(lease)
+                if done == len(keys):  # a caller that zips the keys with the values stops here
+                    self._read_spread.measured(per_server, done, nbytes, time.perf_counter() - start)
+                yield lease
+        except Exception as exc:
+            if is_redirect(exc):
+                return done
+            with self._errors():
+                raise
+        finally:
+            values.close()
+            self._reply_size = waves.size  # a store's records are mostly of one size
+        return len(keys)
+
+    def _read_by_threads(self, readers: list[tuple[Any, list[int]]], commands: list[list[Any]], pool: BufferPool,
+                         waves: Waves, place: Place | None) -> Generator[Lease | None, None, None]:
+        """A ``get_into`` batch read by one thread per ``(pool, share)`` reader: the values in
+        order, each as soon as it has arrived; a reader's error is raised at the first value it
+        did not deliver."""
+        slots = [Slot() for _ in commands]
         futures: list[Future[None]] = []
         try:
             threads = self._threads()
             for direct, share in readers:
                 futures.append(threads.submit(read_into, direct, commands, share, slots, pool, waves,
                                               self.config.retries, place))
-            for i, slot in enumerate(slots):
+            for slot in slots:
                 slot.done.wait()
                 if slot.error is not None:
-                    if is_redirect(slot.error):
-                        return i
-                    with self._errors():
-                        raise slot.error
+                    raise slot.error
                 lease, slot.lease = slot.lease, None
                 yield lease
-            return len(keys)
         finally:
             waves.cancel()
             for fut in futures:
                 fut.exception()  # wait: a reader must stop before its slots are released
-            self._reply_size = waves.size  # a store's records are mostly of one size
             for slot in slots:
                 if slot.lease is not None:
                     slot.lease.release()
@@ -526,7 +562,7 @@ class RedisStoreBase(Store):
         c = self.config
         return {"store": "redis+cluster" if c.cluster else "redis", "url": c.safe_url(), "prefix": c.prefix,
                 "ttl": c.ttl, "max_connections": c.max_connections, "timeout": c.timeout,
-                "write_connections": self._write_spread.current}
+                "write_connections": self._write_spread.current, "read_connections": self._read_spread.current}
 
 
 

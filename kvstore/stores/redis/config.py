@@ -78,6 +78,10 @@ class RedisConfig:
         "while doubling them makes batches (4 MiB or more, a value per connection or more) at least 1.5x as fast, "
         "rechecked now and then: where nothing caps each connection, more only cost CPU. false: every write batch "
         "uses connections.")
+    adapt_reads: bool = option(
+        True, help="Read batches learn their connections per server the same way (from batches of 4 MiB or more): "
+        "where one connection carries the bytes as fast, the extra reader threads only cost CPU. false: every read "
+        "batch uses connections.")
     timeout: float = option(
         0.25, kind="duration", help="Deadline of each socket read or write of a read, lookup or delete (the engine's "
         "critical path). A frozen server costs one call at most connect_timeout + timeout; the circuit breaker then "

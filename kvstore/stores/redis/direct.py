@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import redis
@@ -82,6 +82,16 @@ def exchange(pool: Any, commands: Sequence[list[Any]], on_reply: Callable[[hooks
     may be stale after a server restart), resending what the failed one was asked; a timeout
     never retries (a frozen server would only double the wait); a connection left
     mid-stream is dropped, never reused."""
+    for _ in exchanges(pool, commands, on_reply, retries, waves, share):
+        pass
+
+
+def exchanges(pool: Any, commands: Sequence[list[Any]], on_reply: Callable[[hooks.DirectReplies, int], int],
+              retries: int, waves: Waves | None = None,
+              share: Sequence[int] | None = None) -> Generator[int, None, None]:
+    """``exchange`` step by step: yields i after ``on_reply`` handled reply i, so a caller can
+    read a batch on its own thread and take each value before the next is read. Closed before
+    the last reply, it drops the connection (replies are still on their way)."""
     order = list(range(len(commands))) if share is None else list(share)
     waves = waves or Waves(len(commands), None)
     sent = answered = 0  # positions in order
@@ -103,43 +113,76 @@ def exchange(pool: Any, commands: Sequence[list[Any]], on_reply: Callable[[hooks
                     sent = more
                 waves.received(on_reply(reader, order[answered]))
                 answered += 1
+                yield order[answered - 1]
             return
         except _NETWORK_ERRORS as exc:
             conn.disconnect()
             if answered or attempt == retries or isinstance(exc, _TIMEOUTS):
                 raise as_redis_error(exc) from exc
         except BaseException:
-            conn.disconnect()
+            if answered < len(order):  # closed after the last reply, the connection is in step
+                conn.disconnect()
             raise
         finally:
             pool.release(conn)
 
 
+def receive_value(reader: hooks.DirectReplies, i: int, pool: BufferPool, place: Place | None) -> Lease | None:
+    """Value i of a ``get_into`` batch, the next reply on ``reader``: landed where ``place``
+    says (the store contract) or in a lease of ``pool`` (a fresh buffer if none frees up soon),
+    hashed as it arrives (the lease's ``digest``); None for a miss."""
+    leased: list[Lease] = []
+
+    def into(size: int) -> memoryview:
+        lease = lease_or_fresh(pool, size, _LEASE_WAIT)
+        leased.append(lease)
+        return lease.view
+
+    try:
+        view = reader.value(into, hashed=True, land=None if place is None else functools.partial(place, i))
+    except BaseException:
+        for lease in leased:
+            lease.release()
+        raise
+    if view is None:
+        return None
+    leased[0].digest = reader.digest
+    return leased[0]
+
+
+def read_here(direct: Any, share: Sequence[int], commands: list[list[Any]], pool: BufferPool, waves: Waves,
+              retries: int, place: Place | None = None) -> Generator[Lease | None, None, None]:
+    """A ``get_into`` batch on one connection, read on the caller's thread: yields each value
+    of ``share`` in order (``receive_value``), receiving it when the caller asks for the next
+    (the kernel keeps receiving meanwhile). Closed before its end, it drops the connection."""
+    got: list[Lease | None] = []
+
+    def on_reply(reader: hooks.DirectReplies, i: int) -> int:
+        lease = receive_value(reader, i, pool, place)
+        got.append(lease)
+        return 0 if lease is None else len(lease)
+
+    replies = exchanges(direct, commands, on_reply, retries, waves, share)
+    try:
+        for _ in replies:
+            yield got.pop()
+    finally:
+        replies.close()
+        for lease in got:  # received, never taken: the caller stopped
+            if lease is not None:
+                lease.release()
+
+
 def read_into(direct: Any, commands: list[list[Any]], share: Sequence[int], slots: list[Slot], pool: BufferPool,
               waves: Waves, retries: int, place: Place | None = None) -> None:
-    """One connection's share of a ``get_into`` batch, each value landed where ``place`` says
-    (the store contract) or in its lease. A failure ends the whole batch: every slot not yet
+    """One connection's share of a ``get_into`` batch read by a thread of its own, each value
+    (``receive_value``) handed to its slot. A failure ends the whole batch: every slot not yet
     filled gets the error (the consumer raises it at the first such value)."""
     def on_reply(reader: hooks.DirectReplies, i: int) -> int:
-        leased: list[Lease] = []
-
-        def into(size: int) -> memoryview:
-            lease = lease_or_fresh(pool, size, _LEASE_WAIT)
-            leased.append(lease)
-            return lease.view
-
-        try:
-            view = reader.value(into, hashed=True, land=None if place is None else functools.partial(place, i))
-        except BaseException:
-            for lease in leased:
-                lease.release()
-            raise
         slot = slots[i]
-        slot.lease = leased[0] if view is not None else None
-        if slot.lease is not None:
-            slot.lease.digest = reader.digest
+        slot.lease = receive_value(reader, i, pool, place)
         slot.done.set()
-        return 0 if view is None else len(view)
+        return 0 if slot.lease is None else len(slot.lease)
 
     try:
         exchange(direct, commands, on_reply, retries, waves, share)

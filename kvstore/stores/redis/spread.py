@@ -1,12 +1,13 @@
-"""How many connections per server a batch of writes spreads over, learned from the batches
-before it (``RedisConfig.adapt_writes``).
+"""How many connections per server a batch of writes, or of reads, spreads over, learned from
+the batches before it (``RedisConfig.adapt_writes``, ``adapt_reads``; a store keeps one
+``Spread`` for each).
 
 More connections buy throughput only where something caps each one: a link that shapes every
 flow, a path whose window a single flow cannot fill. Where nothing does (a loopback, one
-server's core as the limit), each extra connection is an extra sender thread, more wakeups and
-more system calls for the same bytes: CPU the engines on the host need. So writes start on one
-connection (sent from the caller's thread) and the width doubles only while doubling it makes
-batches markedly faster.
+server's core as the limit), each extra connection is an extra thread, more wakeups and more
+system calls for the same bytes: CPU the engines on the host need. So batches start on one
+connection (a write's sent from the caller's thread) and the width doubles only while doubling
+it makes batches markedly faster.
 
 The rule, on batches of at least ``MEASURED_BYTES`` and of at least as many values as the wider
 neighbouring width has connections (a value goes whole over one connection, so a batch of fewer
@@ -30,9 +31,10 @@ queue backs up, its batches grow and the width follows the link:
   tries the other way. The width settles in a few batches and is rechecked now and then after,
   so a link whose cap changes is followed.
 
-A batch's rate is its bytes over its time from the first send to the last reply. That includes
-the caller producing its values where that is the slower part, as it should: more connections
-that only wait for the caller are no faster.
+A batch's rate is its bytes over its time from the first send to the last reply (a read's: to
+the last value its caller took). That includes the caller producing (or consuming) its values
+where that is the slower part, as it should: more connections that only wait for the caller are
+no faster.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ FIRST_GAP = 2  # measured batches at the current width before the next probe, af
 MAX_GAP = 64  # ... and at most, after probes that changed nothing
 
 
-class WriteSpread:
-    """The connections per server of the next write batch (``width``) and what each measured
+class Spread:
+    """The connections per server of the next batch (``width``) and what each measured
     batch taught (``measured``). ``most`` is the widest allowed; a store that does not adapt
     always gets ``most``. Thread-safe: batches may run at once from several threads."""
 
