@@ -6,8 +6,10 @@ connection). For each round-trip time and connection count, one batch of 16 reco
   naive              one GET per record, one after the other (redis-py): 16 round trips
   raw pipelined      the raw zero-copy client, all 16 GETs on one connection: 1 round trip,
                      the bytes over one connection's cap
-  kvstore get_into   kvstore's Redis store spreading the batch over N connections: 1 round trip
-                     plus the bytes over N connections' caps
+  kvstore get_into   kvstore's Redis store spreading the batch over N connections
+                     (``connections=N&adapt_reads=false``): 1 round trip plus the bytes over N
+                     connections' caps; and the default (``connections=4``, widths learned:
+                     ``adapt_reads``) after ``ADAPT_WARMUP`` untimed batches, with its width
   kvstore lookup     ``longest_prefix`` of the 16 keys (pipelined EXISTS): 1 round trip
 
 and the same batch written: the raw client's 16 pipelined SETs on one connection against
@@ -18,7 +20,7 @@ batches, with the width it settled at. The model of both tables: ``RTT + bytes /
 Then a three-primary Redis Cluster, each node behind its own shaped proxy (the nodes announce
 the proxies' ports, so every client reaches them only through the link). The same batch spreads
 over the nodes by hash slot; kvstore's ``get_into`` and ``put_many`` use every node at once, with
-1 or 4 connections per node (``connections`` 3 or 12, ``adapt_writes=false``), against the raw client with one
+1 or 4 connections per node (``connections`` 3 or 12, widths not learned), against the raw client with one
 connection and thread per node, and one GET per record through redis-py's cluster client. The
 model: ``RTT + the largest node's bytes / (connections per node x cap)``.
 
@@ -50,7 +52,7 @@ from kvstore.stores.redis.raw import RawRedis
 from kvstore.testing.proxy import ShapedProxy
 
 N, SIZE = 16, 1 << 20
-ADAPT_WARMUP = 10  # batches the default's write width has to settle before it is timed
+ADAPT_WARMUP = 10  # batches the default's read or write width has to settle before it is timed
 
 
 def ms(fn, reps: int) -> float:
@@ -90,8 +92,8 @@ def server_tables(reps: int, rate: float) -> None:
         print(f"\n{N} records of {SIZE >> 20} MiB per batch; cap {rate * 8 / 1e6:.0f} Mbit/s per connection; "
               f"ms, median of {reps}\n")
         print("| RTT ms | naive (16 GETs) | raw pipelined (1 conn) | kvstore get_into 1 / 2 / 4 conns | "
-              "model 1 / 2 / 4 | kvstore lookup |")
-        print("|---|---|---|---|---|---|")
+              "kvstore get_into, default (width settled at) | model 1 / 2 / 4 | kvstore lookup |")
+        print("|---|---|---|---|---|---|---|")
         for rtt in (0.0, 1.0, 2.0, 5.0):
             proxy = ShapedProxy(server.port, delay=rtt / 2e3, rate=rate)
             try:
@@ -101,21 +103,27 @@ def server_tables(reps: int, rate: float) -> None:
                 naive = ms(lambda: [naive_client.get(k) for k in keys], reps)
                 rawt = ms(lambda: raw.get_many_into([k.encode() for k in keys], bufs), reps)
                 ours, lookups = [], []
-                for conns in (1, 2, 4):
-                    store = RedisStore.from_url(f"redis://127.0.0.1:{proxy.port}?connections={conns}&timeout=30s")
+                for options in ("connections=1&adapt_reads=false", "connections=2&adapt_reads=false",
+                                "connections=4&adapt_reads=false", "connections=4"):
+                    store = RedisStore.from_url(f"redis://127.0.0.1:{proxy.port}?{options}&timeout=30s")
 
                     def load(store=store) -> None:
                         for lease in store.get_into(keys, pool):
                             assert lease is not None
                             lease.release()
 
+                    if "adapt" not in options:
+                        for _ in range(ADAPT_WARMUP):
+                            load()
                     ours.append(ms(load, reps))
-                    if conns == 1:
+                    width = store.describe()["read_connections"]
+                    if options.startswith("connections=1"):
                         lookups.append(ms(lambda store=store: store.longest_prefix(keys), reps))
                     store.close()
                 model = [rtt + N * SIZE / (c * rate) * 1e3 for c in (1, 2, 4)]
-                print(f"| {rtt:.0f} | {naive:.1f} | {rawt:.1f} | {' / '.join(f'{t:.1f}' for t in ours)} | "
-                      f"{' / '.join(f'{t:.1f}' for t in model)} | {lookups[0]:.2f} |", flush=True)
+                print(f"| {rtt:.0f} | {naive:.1f} | {rawt:.1f} | {' / '.join(f'{t:.1f}' for t in ours[:3])} | "
+                      f"{ours[3]:.1f} ({width}) | {' / '.join(f'{t:.1f}' for t in model)} | {lookups[0]:.2f} |",
+                      flush=True)
                 writes.append((rtt, ms(lambda: raw.set_many(zip(keys, values)), reps),
                                [_put_ms(proxy.port, f"connections={conns}&adapt_writes=false", keys, values, reps)
                                 for conns in (1, 2, 4)], model,
@@ -177,7 +185,8 @@ def cluster_tables(reps: int, rate: float) -> None:
             loads, saves = [], []
             for per_node in (1, 4):
                 store = RedisClusterStore.from_url(f"redis+cluster://127.0.0.1:{proxies[0].port}"
-                                                   f"?connections={3 * per_node}&adapt_writes=false&timeout=30s&write_timeout=30s")
+                                                   f"?connections={3 * per_node}&adapt_writes=false&adapt_reads=false"
+                                                   "&timeout=30s&write_timeout=30s")
 
                 def load(store=store) -> None:
                     for lease in store.get_into(keys, pool):

@@ -154,7 +154,8 @@ def read_here(direct: Any, share: Sequence[int], commands: list[list[Any]], pool
               retries: int, place: Place | None = None) -> Generator[Lease | None, None, None]:
     """A ``get_into`` batch on one connection, read on the caller's thread: yields each value
     of ``share`` in order (``receive_value``), receiving it when the caller asks for the next
-    (the kernel keeps receiving meanwhile). Closed before its end, it drops the connection."""
+    (the kernel keeps receiving meanwhile). Closed before the last value was received, it drops
+    the connection; closed after, the connection goes back to the pool in step."""
     got: list[Lease | None] = []
 
     def on_reply(reader: hooks.DirectReplies, i: int) -> int:
