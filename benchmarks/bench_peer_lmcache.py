@@ -36,7 +36,11 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
                      building the replies instead of 0.82 (measured side by side in one run,
                      benchmarks/results/tiers.md): the ceiling ran at 0.66 GB/s and kvstore read
                      as 1.5x it. Each round the same client also reads the records from a
-                     process of its own (``StandaloneRaw``): the ceiling's check
+                     process of its own (``StandaloneRaw``), stored again first: the ceiling's
+                     check. Every retrieve here is the first read after its path's store; a
+                     second read of the same records runs faster (3 MiB: 2.96 against 2.24 GB/s
+                     for the standalone client, peer_lmcache.md run 12), so the check reads in
+                     the same place
   raw + copy         the raw client's retrieve, then each record's KV bytes copied into the
                      destination (``np.copyto``, as kvstore's load sink does): the CPU a raw client
                      spends to place the bytes where a load does, without verifying them (its store
@@ -533,8 +537,10 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
             get()
             t_get = time.perf_counter() - t
             c_get = cpu_self() - c
-            if pname == RAW:
-                t_alone, c_alone = standalone.get()  # the same records, right after
+            if pname == RAW:  # the same records, stored again: a first read after a store, as every path's
+                raw.flushall()
+                put()
+                t_alone, c_alone = standalone.get()
                 if rep:
                     alone_t.append(t_alone)
                     alone_cpu.append(c_alone)
@@ -675,7 +681,7 @@ def render(results: dict, reps: int, peer: bool = True, limits: str = "") -> str
         if "standalone" in res:
             a, g = res["standalone"], res["paths"][RAW][1]
             out += ["", f"The raw client in a process of its own (no LMCache, no benchmark buffers), reading the same "
-                        f"records right after the row above: retrieve {a[0]:.2f} [{a[1]:.2f}-{a[2]:.2f}]; "
+                        f"records, stored again just before (as every path reads): retrieve {a[0]:.2f} [{a[1]:.2f}-{a[2]:.2f}]; "
                         f"in-process / own process = {g[0] / a[0]:.2f}"
                         + (f"; its CPU {res['standalone_cpu']:.3f} s/GB." if "standalone_cpu" in res else ".")]
         out += ["", "Ratios of medians (above 1: the first path is faster):", "",
