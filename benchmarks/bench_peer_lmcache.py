@@ -51,15 +51,16 @@ What one op moves: 16 chunks of 256 tokens of bf16 KV, either 32 MiB chunks (32 
   raw, 4 connections the same client over kvstore's 4 connections, a thread and every 4th record
                      each (``RawPathSpread``): the ceiling of a client with four connections
   kvstore cache      PrefixCache.save (lookup to skip stored chunks, xxh3 over the payload, the
-                     header sent beside the payload, no copy; one batch over the store's
-                     connections) / PrefixCache.load (each record's header received and checked
+                     header sent beside the payload, no copy; one batch over as many of the
+                     store's connections as it learned pay, after ``ADAPT_WARMUP`` untimed
+                     batches) / PrefixCache.load (each record's header received and checked
                      (namespace, key, token ids, dtype, shapes), its KV landed straight in a
                      preallocated tensor, its checksum checked as its last byte arrives, while
                      the next ones arrive)
   ... from leases    the same load with no ``land``: records received into pooled buffers, each
                      verified there, then copied into the tensor
-  ... 1 connection   the same save and load over a RedisStore of ``connections=1``: what the
-                     spread over 4 connections costs and gains on this link
+  ... 1 connection   the same save and load over a RedisStore of ``connections=1``: no width
+                     to learn, no probes
   kvstore store      bare RedisStore.put_many / get_many of the same encoded records
 
 Lookups of the 16 stored chunks: LMCache ``engine.lookup(tokens)`` (token hashing included);
@@ -123,6 +124,10 @@ SHAPES = {  # name: (layers, kv heads, head size, tokens per chunk)
     "3MiB": (24, 2, 64, 256),
 }
 LOOKUP_REPS = 15  # lookups per path per round
+# Untimed save+load batches of the default store before round 0. Its widths are learned
+# (``adapt_writes``, ``adapt_reads``): a young store probes a wider width every 2, 4, 8...
+# batches, a long-running one every 64 at most. The rounds measure the long-running engine.
+ADAPT_WARMUP = 40
 
 
 class Data:
@@ -508,6 +513,10 @@ def run_size(name: str, server: servers.RedisServer, reps: int, results: dict, p
     paths[KV_CACHE] = (kv.save, kv.get, {"kvstore keys+lookup": kv.lookup, "kvstore lookup": kv.lookup_only})
     paths[KV_LEASED] = (kv.save, kv.get_leased, {})
     one = KVStorePath(server.url + "?connections=1", data)
+    for _ in range(ADAPT_WARMUP):
+        raw.flushall()
+        kv.save()
+        kv.get()
     paths[KV_ONE] = (one.save, one.get, {})
     paths[KV_STORE] = (kv.put_bare, kv.get_bare, {})
     put_t = {p: [] for p in paths}
