@@ -185,8 +185,9 @@ def _widths(carried_before: list[int], carried_after: list[int], value: int) -> 
 def test_reads_widen_to_every_connection_where_the_link_caps_each_one(redis_server, monkeypatch):
     """``adapt_reads`` (the default): the first read batch comes over one connection; through a
     link that caps each connection the batches widen to all ``connections`` within a few, and
-    every value arrives in order. Batches of 2 MiB are measured (a slow link: see the write
-    test)."""
+    every value arrives in order. Batches of 2 MiB are measured, over a slower link than the
+    write test's: the proxy's pumps share the GIL with the readers, and under the suite's load
+    a 5 MB/s link once gave a doubling under 1.5x (a rejected probe is tried again later)."""
     from kvstore.buffers import BufferPool
     from kvstore.stores.redis import spread
     from kvstore.testing.proxy import ShapedProxy
@@ -197,12 +198,12 @@ def test_reads_widen_to_every_connection_where_the_link_caps_each_one(redis_serv
     keys = [k for k, _ in items]
     with open_store(redis_server.url) as writer:
         writer.put_many(items)
-    proxy = ShapedProxy(redis_server.port, rate=5e6)
+    proxy = ShapedProxy(redis_server.port, rate=2.5e6)
     pool = BufferPool(16 << 20)
     try:
         with open_store(f"redis://127.0.0.1:{proxy.port}/0?connections=4&timeout=30s") as store:
             widths = []
-            for _ in range(14):
+            for _ in range(18):
                 before = proxy.bytes_received()
                 got = [(bytes(lease.view), lease.release())[0] for lease in store.get_into(keys, pool)]
                 widths.append(_widths(before, proxy.bytes_received(), 256 << 10))

@@ -6,16 +6,20 @@ pipeline groups commands by node and sends one batch per node, so batch operatio
 own hash (no hash tags).
 
 Large values go out without being copied and GET replies are received straight into buffers of
-their final size, over direct sockets (``direct``). A batch of large values is spread over
-``connections`` connections (a cluster's over every node it touches at once, the connections
-shared out over them), each sent and read by its own thread with the GIL released in the
-socket calls; ``get_into`` yields value i while values after it are still arriving, and
-``put_many`` sends value i while its caller produces value i+1. GETs go out in waves under one
+their final size, over direct sockets (``direct``). A batch of large values is spread over up
+to ``connections`` connections per server, as many as the batches before it showed pay for
+themselves (``spread.py``; a cluster's over every node it touches at once, the connections
+shared out over them). A batch on one connection is sent or read on the caller's thread; a
+wider one by a thread per connection, with the GIL released in the socket calls.
+``get_into`` yields value i while values after it are still arriving (the kernel receives
+them meanwhile on one connection), and a wider ``put_many`` sends value i while its caller
+produces value i+1. GETs go out in waves under one
 budget per batch (about 8 MiB of replies requested ahead, at least two values and one per
 connection, at most 64 MiB, whatever the number of connections: ``waves.py``), so the server
 never builds a whole batch of large replies before sending the first, and builds the next ones
-while they still fit its CPU's cache. On one server, batches of EXISTS and DEL (lookups, discards) go over a direct socket
-too, as one packed buffer whose integer replies are read in place.
+while they still fit its CPU's cache. On one server, batches of EXISTS and DEL (lookups,
+discards) go over a direct socket too, as one packed buffer whose integer replies are read in
+place.
 
 Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
 ``StoreUnavailableError`` raised from it (``StoreTimeoutError`` when a deadline expired); a
@@ -284,10 +288,10 @@ class RedisStoreBase(Store):
     def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Values received straight into leases of ``pool`` over up to ``connections`` connections
         per server, as many as pay for themselves (``adapt_reads``, ``spread.py``; on a cluster:
-        to every node of the batch at once), under one ``Waves`` budget of
-        about ``_IN_FLIGHT_BYTES`` requested ahead per server (``_IN_FLIGHT_LIMIT`` at most);
-        value i is yielded while later ones are still arriving. A cluster whose slots moved under a batch finishes it through the
-        client's pipeline, which follows the redirections. The direct readers land values where
+        to every node of the batch at once), under one ``Waves`` budget of about
+        ``_IN_FLIGHT_BYTES`` requested ahead per server (``_IN_FLIGHT_LIMIT`` at most); value i
+        is yielded while later ones are still arriving. A cluster whose slots moved under a batch
+        finishes it through the client's pipeline, which follows the redirections. The direct readers land values where
         ``place`` says (the store contract), the pipeline's in their leases."""
         routes = self._direct_reads(keys) if keys else None
         if routes is None:
