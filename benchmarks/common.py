@@ -86,7 +86,7 @@ def raw_window(size: int, connections: int = 1) -> int:
     (``requested_ahead`` with the budget and limit of ``kvstore/stores/redis/base.py``), shared
     out over the connections. A ceiling run with a deeper window than kvstore's is no ceiling:
     asked for 16 values of 3 MiB at once, the server builds 48 MiB of replies, which leave its
-    CPU's cache before they are sent, and the raw client read at half its speed with two ahead
+    CPU's cache before they are sent, and the raw client read at half the speed it reaches with two ahead
     (benchmarks/results/peer_lmcache.md, run 12)."""
     from kvstore.stores.redis.base import _IN_FLIGHT_BYTES, _IN_FLIGHT_LIMIT
     from kvstore.stores.redis.waves import requested_ahead
