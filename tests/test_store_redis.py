@@ -156,7 +156,7 @@ def test_writes_widen_to_every_connection_where_the_link_caps_each_one(redis_ser
                 before = proxy.bytes_sent()
                 store.put_many(items)
                 after = proxy.bytes_sent()
-                widths.append(sum(1 for i, n in enumerate(after) if n - (before[i] if i < len(before) else 0) >= 256 << 10))
+                widths.append(_widths(before, after, 256 << 10))
             assert widths[0] == 1, widths
             assert store.describe()["write_connections"] == 4, widths
             assert widths[-6:].count(4) >= 4, widths  # now and then a probe tries 2 again
