@@ -146,13 +146,14 @@ def any_redis_cluster(request: pytest.FixtureRequest) -> servers.RedisCluster:
 
 
 @pytest.fixture(scope="session")
-def s3_server_factory(s3_credentials: dict[str, str]) -> Iterator[Callable[[], servers.S3Server]]:
-    """``factory()`` starts a private ``rclone serve s3``; all stop at session end."""
+def s3_server_factory(s3_credentials: dict[str, str]) -> Iterator[Callable[..., servers.S3Server]]:
+    """``factory()`` starts a private ``rclone serve s3`` (``factory(persistent=True)``: its objects
+    survive ``stop()``/``start()``); all stop at session end."""
     servers.require_binary("rclone", _RCLONE_HINT)
     started: list[servers.S3Server] = []
 
-    def factory() -> servers.S3Server:
-        server = servers.S3Server()
+    def factory(persistent: bool = False) -> servers.S3Server:
+        server = servers.S3Server(persistent=persistent)
         started.append(server)
         return server
 
@@ -162,5 +163,5 @@ def s3_server_factory(s3_credentials: dict[str, str]) -> Iterator[Callable[[], s
 
 
 @pytest.fixture(scope="session")
-def s3_server(s3_server_factory: Callable[[], servers.S3Server]) -> servers.S3Server:
+def s3_server(s3_server_factory: Callable[..., servers.S3Server]) -> servers.S3Server:
     return s3_server_factory()

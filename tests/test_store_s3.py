@@ -61,7 +61,7 @@ def test_no_negative_caching(s3_server):
 
 
 def test_stopped_server_is_unavailable_within_the_deadline(s3_server_factory):
-    server = s3_server_factory()
+    server = s3_server_factory(persistent=True)
     with open_store(server.url_for("x", timeout="1s", connect_timeout="300ms", retries="0")) as store:
         store.put("k", b"v")
         server.stop()
