@@ -116,6 +116,42 @@ def test_cp_killed_half_way_resumes(tmp_path, s3_server_factory):
     assert contents(dst) == contents(src)
 
 
+def test_cp_receives_into_buffers_it_reuses_and_holds_them_until_the_destination_has_them(tmp_path, redis_server):
+    """A batch's values land in one pool's resident buffers, which the next batch reuses (no
+    fresh pages per value); they go back to the pool only once the destination's flush says no
+    write is pending, and a destination that cannot say so keeps them (the next batch gets a
+    new pool)."""
+    from kvstore.cli.copy import CopySummary, _Buffers, _copy_batch
+    from kvstore.cli.tiers import Tier
+    from kvstore.stores.base import WrapperStore
+
+    class Pending(WrapperStore):
+        def flush(self, timeout: float = 30.0) -> bool:
+            return False
+
+    src_url, dst_url = f"{redis_server.url}/0?prefix=cp-pool:", f"file://{tmp_path / 'dst'}"
+    keys = sorted(fill(src_url, "model-pool", 12 * CHUNK, width=4096))  # 12 records of 512 KiB
+    src = Tier(0, src_url, open_store(src_url))
+    dst = Tier(1, dst_url, open_store(dst_url))
+    buffers, summary = _Buffers(), CopySummary(src.name, dst.name)
+    _copy_batch(src, dst, keys[:4], summary, buffers)
+    pool = buffers.pool
+    assert pool is not None
+    first = pool.stats()
+    _copy_batch(src, dst, keys[4:8], summary, buffers)
+    assert buffers.pool is pool
+    assert pool.stats()["leased_bytes"] == 0 and pool.stats()["allocations"] == first["allocations"] == 4
+    pending = Tier(1, dst_url, Pending(dst.store))
+    _copy_batch(src, pending, keys[8:], summary, buffers)
+    held = pool.stats()
+    assert held["leased_bytes"] == held["held_bytes"] > 0  # still the destination's to send
+    assert buffers.pool is None
+    assert summary.copied == 12 and summary.invalid == summary.verify_failed == 0
+    assert contents(dst_url) == contents(src_url)
+    src.store.close()
+    dst.store.close()
+
+
 def test_cp_unreachable_destination_is_one_line(tmp_path, redis_server):
     from servers import free_port
 

@@ -92,14 +92,15 @@ class GcTally:
 
 
 def gc_verdict(key: str, value: bytes | memoryview, *, now: float, older_than: float | None,
-               verify: bool) -> str | None:
-    """Why record ``key`` should go (``expired``, ``undecodable:<reason>``, ``mismatch``), or ``None``."""
+               verify: bool, digest: bytes | None = None) -> str | None:
+    """Why record ``key`` should go (``expired``, ``undecodable:<reason>``, ``mismatch``), or ``None``.
+
+    ``digest``: the value's arrival hash (``Lease.digest``), which ``verify`` then checks the
+    record's checksum against instead of reading the value again."""
     parts = split_key(key)
     assert parts is not None
     try:
-        header = read_header(value)
-        if verify:
-            decode_record(value)
+        header = decode_record(value, digest=digest).header if verify else read_header(value)
     except CorruptRecordError as exc:
         return f"undecodable:{exc.reason}"
     if header.namespace[:8].hex() != parts[1] or header.key.hex() != parts[2]:

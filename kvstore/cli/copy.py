@@ -21,9 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
 
+from kvstore.buffers import BufferPool, Lease
 from kvstore.cli import tiers as tier_io
 from kvstore.cli.clean import gc_verdict
 from kvstore.cli.common import number
@@ -44,6 +45,7 @@ from kvstore.stores import open_store
 __all__ = ["register", "cmd_cp", "CopySummary"]
 
 _PROBE_KEY = "kvstore-cp-probe"
+_MIN_POOL_BYTES = 64 << 20
 
 
 @dataclass
@@ -135,8 +137,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() and not args.json else "none"
         bar = _Progress(mode, len(keys))
+        buffers = _Buffers()
         for batch in batched(sorted(keys), args.batch):
-            _copy_batch(src, dst, batch, summary)
+            _copy_batch(src, dst, batch, summary, buffers)
             bar.update(len(batch), summary)
         with unavailable_as_error(dst.name):
             if not dst.store.flush(args.flush_timeout):
@@ -159,10 +162,52 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 1 if summary.invalid or summary.verify_failed else 0
 
 
-def _copy_batch(src: Tier, dst: Tier, batch: list[str], s: CopySummary) -> None:
+class _Buffers:
+    """The pool a batch's values are received into: resident buffers reused from one batch to
+    the next, where fresh ones would cost the kernel's zeroing and a page fault per page every
+    time. It holds a whole batch (its values stay leased until the destination has them), and
+    grows when a batch needs more: the bytes a batch holds at once, as before."""
+
+    def __init__(self) -> None:
+        self.pool: BufferPool | None = None
+
+    def for_batch(self, nbytes: int) -> BufferPool:
+        if self.pool is None or self.pool.max_bytes < nbytes:
+            self.pool = BufferPool(max(nbytes, _MIN_POOL_BYTES))
+        return self.pool
+
+    def forget(self) -> None:
+        """Leave the pool to the values still leased from it (writes not known to have landed):
+        the next batch gets a new one rather than wait for space that may never come back."""
+        self.pool = None
+
+
+def _receive(src: Tier, keys: list[str], pool: BufferPool) -> list[Lease | None]:
+    """The values of ``keys`` as leases of ``pool`` (None: gone), all released on an error."""
+    leases: list[Lease | None] = []
+    try:
+        with unavailable_as_error(src.name):
+            stream = src.store.get_into(keys, pool)
+            try:
+                leases.extend(stream)
+            finally:
+                stream.close()
+    except BaseException:
+        _release(leases)
+        raise
+    return leases
+
+
+def _release(leases: Iterable[Lease | None]) -> None:
+    for lease in leases:
+        if lease is not None:
+            lease.release()
+
+
+def _copy_batch(src: Tier, dst: Tier, batch: list[str], s: CopySummary, buffers: _Buffers) -> None:
     src_sizes = tier_io.sizes(src, batch)
     dst_sizes = tier_io.sizes(dst, batch)
-    todo = []
+    todo, nbytes = [], 0
     for key, have, there in zip(batch, src_sizes, dst_sizes):
         if have is None:
             s.vanished += 1  # evicted or expired while we listed
@@ -170,30 +215,39 @@ def _copy_batch(src: Tier, dst: Tier, batch: list[str], s: CopySummary) -> None:
             s.already_there += 1
         else:
             todo.append(key)
+            nbytes += have
     if not todo:
         return
-    with unavailable_as_error(src.name):
-        values = src.store.get_many(todo)
+    leases = _receive(src, todo, buffers.for_batch(nbytes))
     now = time.time()
-    good: list[tuple[str, Any]] = []
-    for key, value in zip(todo, values):
-        if value is None:
+    good: list[tuple[str, Lease]] = []
+    for key, lease in zip(todo, leases):
+        if lease is None:
             s.vanished += 1
-        elif gc_verdict(key, value, now=now, older_than=None, verify=True) is not None:
+        elif gc_verdict(key, lease.view, now=now, older_than=None, verify=True, digest=lease.digest) is not None:
             s.invalid += 1
+            lease.release()
         else:
-            good.append((key, value))
-    del values
+            good.append((key, lease))
     if not good:
         return
-    with unavailable_as_error(dst.name):
-        dst.store.put_many(good)
-        dst.store.flush(30.0)
-        written = dst.store.size_many([k for k, _ in good])
-    for (_key, value), size in zip(good, written):
-        if size == len(value):
+    # The destination may still be sending a value until its flush says otherwise: a lease
+    # goes back to the pool (whose next batch writes over it) only once nothing is pending.
+    landed = False
+    try:
+        with unavailable_as_error(dst.name):
+            dst.store.put_many([(key, lease.view) for key, lease in good])
+            landed = dst.store.flush(30.0)
+            written = dst.store.size_many([k for k, _ in good])
+    finally:
+        if landed:
+            _release(lease for _, lease in good)
+        else:
+            buffers.forget()
+    for (_key, lease), size in zip(good, written):
+        if size == len(lease.view):
             s.copied += 1
-            s.copied_bytes += len(value)
+            s.copied_bytes += len(lease.view)
         else:
             s.verify_failed += 1
 
