@@ -231,6 +231,7 @@ def _copy_batch(src: Tier, dst: Tier, batch: list[str], s: CopySummary, buffers:
             good.append((key, lease))
     if not good:
         return
+    sent = [len(lease.view) for _, lease in good]
     # The destination may still be sending a value until its flush says otherwise: a lease
     # goes back to the pool (whose next batch writes over it) only once nothing is pending.
     landed = False
@@ -244,10 +245,10 @@ def _copy_batch(src: Tier, dst: Tier, batch: list[str], s: CopySummary, buffers:
             _release(lease for _, lease in good)
         else:
             buffers.forget()
-    for (_key, lease), size in zip(good, written):
-        if size == len(lease.view):
+    for size, there in zip(sent, written):
+        if there == size:
             s.copied += 1
-            s.copied_bytes += len(lease.view)
+            s.copied_bytes += size
         else:
             s.verify_failed += 1
 
