@@ -48,7 +48,7 @@ from kvstore.types import Buffer, array_view
 
 __all__ = ["ArrivalDigest", "BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool",
            "configure_default_pool", "DEFAULT_POOL_BYTES", "SELF_CHECK_BYTES", "STREAM_SLICE", "byte_view",
-           "copy_bytes", "lease_or_fresh"]
+           "copy_bytes", "footprint", "lease_or_fresh"]
 
 #: Default budget of the process-wide pool (``configure_default_pool`` changes it).
 DEFAULT_POOL_BYTES = 1 << 30
@@ -132,6 +132,11 @@ def copy_bytes(dst: memoryview, src: Buffer) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src_view, dtype=np.uint8))
     else:
         dst[:] = src_view
+
+
+def footprint(nbytes: int) -> int:
+    """The bytes a lease of ``nbytes`` holds of a pool's budget (buffers come in 64 KiB steps)."""
+    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
 
 
 def lease_or_fresh(pool: BufferPool, nbytes: int, wait: float) -> Lease:
@@ -311,7 +316,7 @@ class BufferPool:
         """A lease of ``nbytes`` bytes, or ``None`` when the budget stays full for ``wait`` seconds."""
         if nbytes < 0:
             raise ValueError(f"cannot lease {nbytes} bytes")
-        size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        size = footprint(nbytes)
         deadline = time.monotonic() + wait
         with self._lock:
             self._stats.leases += 1

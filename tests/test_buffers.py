@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from kvstore.buffers import BufferPool, Pieces, borrow
+from kvstore.buffers import BufferPool, Pieces, borrow, footprint
 from kvstore.errors import ConfigError
 
 
@@ -34,6 +34,15 @@ def test_the_budget_bounds_what_is_held_and_a_full_pool_says_none():
     assert all(s is not None for s in small) and pool.stats()["held_bytes"] <= 4 << 20
     for s in small:
         s.release()
+
+
+def test_a_pool_of_the_footprints_holds_those_leases_at_once():
+    assert [footprint(n) for n in (0, 1, 1 << 16, (1 << 16) + 1)] == [1 << 16, 1 << 16, 1 << 16, 2 << 16]
+    sizes = [(3 << 20) + 17, 100, 1 << 20, (5 << 20) - 1]
+    pool = BufferPool(sum(map(footprint, sizes)))
+    leases = [pool.lease(n) for n in sizes]
+    assert all(lease is not None for lease in leases) and pool.lease(1) is None
+    assert pool.stats()["held_bytes"] == pool.max_bytes
 
 
 def test_a_waiting_lease_gets_a_buffer_when_one_is_released():

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from kvstore.buffers import BufferPool, Lease
+from kvstore.buffers import BufferPool, Lease, footprint
 from kvstore.cli import tiers as tier_io
 from kvstore.cli.clean import gc_verdict
 from kvstore.cli.common import number
@@ -215,7 +215,7 @@ def _copy_batch(src: Tier, dst: Tier, batch: list[str], s: CopySummary, buffers:
             s.already_there += 1
         else:
             todo.append(key)
-            nbytes += have
+            nbytes += footprint(have)
     if not todo:
         return
     leases = _receive(src, todo, buffers.for_batch(nbytes))
