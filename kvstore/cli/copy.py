@@ -22,6 +22,7 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable
+from contextlib import closing
 from dataclasses import asdict, dataclass
 
 from kvstore.buffers import BufferPool, Lease, footprint
@@ -186,12 +187,8 @@ def _receive(src: Tier, keys: list[str], pool: BufferPool) -> list[Lease | None]
     """The values of ``keys`` as leases of ``pool`` (None: gone), all released on an error."""
     leases: list[Lease | None] = []
     try:
-        with unavailable_as_error(src.name):
-            stream = src.store.get_into(keys, pool)
-            try:
-                leases.extend(stream)
-            finally:
-                stream.close()
+        with unavailable_as_error(src.name), closing(src.store.get_into(keys, pool)) as stream:
+            leases.extend(stream)
     except BaseException:
         _release(leases)
         raise
