@@ -81,40 +81,20 @@ def memory_limits(nbytes: int = 128 << 20, reps: int = 5) -> str:
 
 
 def raw_window(size: int, connections: int = 1) -> int:
-    """GETs of ``size``-byte values the raw client keeps requested ahead on each of
-    ``connections`` connections: what kvstore's reads keep ahead of a batch on one server
-    (``requested_ahead`` with the budget and limit of ``kvstore/stores/redis/base.py``), shared
-    out over the connections. A ceiling run with a deeper window than kvstore's is no ceiling:
-    asked for 16 values of 3 MiB at once, the server builds 48 MiB of replies, which leave its
-    CPU's cache before they are sent, and the raw client read at half the speed it reaches with two ahead
-    (benchmarks/results/peer_lmcache.md, run 12)."""
-    from kvstore.stores.redis.base import _IN_FLIGHT_BYTES, _IN_FLIGHT_LIMIT
-    from kvstore.stores.redis.waves import requested_ahead
+    """GETs the raw client keeps requested ahead per connection: kvstore's own window
+    (``kvstore.stores.redis.raw.store_window``: a ceiling with a deeper one is no ceiling)."""
+    from kvstore.stores.redis.raw import store_window
 
-    ahead = requested_ahead(size, _IN_FLIGHT_BYTES, _IN_FLIGHT_LIMIT, connections)
-    return max(1, -(-ahead // connections))
+    return store_window(size, connections)
 
 
 def raw_get_window(client, keys, buffers, window: int) -> None:
     """Pipelined GETs of ``keys`` into ``buffers`` with the raw zero-copy client (``RawRedis``),
-    keeping ``window`` of them requested ahead of the one being received.
-
-    Sent all at once, the server builds every reply before it sends the first byte (it reads all
-    of a connection's commands in one pass), so the client waits through all of that copying
-    with nothing to receive; with a window the server builds reply i+1 while reply i is on the
-    wire. ``raw_window`` gives the window kvstore's own reads keep: a ceiling should get the same
-    chance."""
-    from kvstore.stores.redis.raw import _key_bytes, _view
-
-    for key in keys[:window]:
-        client._queue(b"GET", _key_bytes(key))
-    client._flush()
-    for i, buffer in enumerate(buffers):
-        if i + window < len(keys):
-            client._queue(b"GET", _key_bytes(keys[i + window]))
-            client._flush()
-        if client._read_bulk_into(_view(buffer)) is None:
-            raise KeyError(keys[i])
+    keeping ``window`` of them requested ahead of the one being received
+    (``get_many_into(ahead=)``: its docstring says why); a missing key raises ``KeyError``."""
+    sizes = client.get_many_into(keys, buffers, ahead=window)
+    if None in sizes:
+        raise KeyError(keys[sizes.index(None)])
 
 
 def switch_interval_arg(parser) -> None:

@@ -176,12 +176,13 @@ def test_bench_redis_with_raw_ceiling_and_cleanup(redis_server, capsys):
     assert paths == [(65536, "kvstore store"), (65536, "raw RESP (zero-copy)"),
                      (1 << 20, "kvstore store"), (1 << 20, "raw RESP (zero-copy)")]
     assert all(r["put_gbps"] > 0 and r["get_gbps"] > 0 for r in doc["rows"])
+    assert all(r["put_cpu_s_per_gb"] >= 0 and r["get_cpu_s_per_gb"] >= 0 for r in doc["rows"])  # clock ticks
     assert all(r["lookup_ms"] > 0 for r in doc["rows"] if r["path"] == "kvstore store")
     with redis_server.client() as c:
         assert not list(c.scan_iter("bench:*")) and not list(c.scan_iter("kvstore-bench/*"))
     assert main(["bench", "--store", url, "--sizes", "64KiB", "--count", "2", "--reps", "1"]) == 0
     table = capsys.readouterr().out
-    assert "PUT GB/s" in table and "raw RESP (zero-copy)" in table
+    assert "PUT GB/s" in table and "GET CPU s/GB" in table and "raw RESP (zero-copy)" in table
 
 
 def test_bench_s3_and_unreachable(s3_server, capsys):
@@ -219,6 +220,12 @@ def test_raw_redis_set_get_pipelines_and_errors(redis_server_factory):
     sizes = r.get_many_into([k for k, _ in items] + [], bufs)
     assert sizes == [len(v) for _, v in items]
     assert all(bytes(b[:n]) == bytes(v) for b, n, (_, v) in zip(bufs, sizes, items))
+    for ahead in (1, 3):  # a window of GETs requested ahead: the same values, in order
+        bufs = [bytearray(200_000) for _ in items]
+        assert r.get_many_into([k for k, _ in items], bufs, ahead=ahead) == sizes
+        assert all(bytes(b[:n]) == bytes(v) for b, n, (_, v) in zip(bufs, sizes, items))
+    assert r.get_many_into(["p0", "missing", "p1"], [bytearray(200_000) for _ in range(3)], ahead=1) == [
+        len(items[0][1]), None, len(items[1][1])]
     seen = bytearray()  # before_send: every byte of every value, in order, just before it goes out
     r.set_many([("big", (b"head:", memoryview(big)))] + items, before_send=seen.extend)
     assert bytes(seen) == b"head:" + big.tobytes() + b"".join(bytes(v) for _, v in items)

@@ -1,12 +1,15 @@
 """``kvstore bench --store URL``: what a store gives this machine, by record size.
 
 For each record size it writes ``count`` values under a private ``kvstore-bench/<random>/`` key
-prefix with one ``put_many``, reads them back with one ``get_many``, and times
-``longest_prefix`` over their keys (the lookup an engine does per prompt: one round trip per
-tier). Each figure is the median of ``--reps`` repetitions. On a ``redis://`` URL the same bytes
-also go through ``kvstore.stores.redis.raw.RawRedis`` (pipelined, zero-copy sends, reads into
-preallocated buffers): the ceiling the store is measured against, on the same connection
-parameters. Every key it wrote is deleted at the end, also after an error.
+prefix with one ``put_many``, reads them back with one ``get_into`` (the engine's read: into a
+pool of resident buffers kept from one repetition to the next, each value hashed as it arrives),
+and times ``longest_prefix`` over their keys (the lookup an engine does per prompt: one round
+trip per tier). Each figure is the median of ``--reps`` repetitions; beside each GB/s is this
+process's CPU per GB (user + system, every thread; the servers' is not counted). On a
+``redis://`` URL the same bytes also go through ``kvstore.stores.redis.raw.RawRedis``
+(pipelined, zero-copy sends, reads into preallocated resident buffers, no hash): the ceiling
+the store is measured against, on the same connection parameters. Every key it wrote is
+deleted at the end, also after an error.
 
 It writes up to ``count x size`` bytes at a time into the store: on a shared production Redis
 with ``maxmemory`` that can evict real records; point it at a staging store, or lower
@@ -18,20 +21,24 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import closing
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
+from kvstore.buffers import BufferPool, footprint
 from kvstore.cli.common import number
 from kvstore.cli.tiers import emit_json, human_bytes, print_table, unavailable_as_error
 from kvstore.config import parse_size, redact_url
-from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.errors import ConfigError, KVStoreError, StoreUnavailableError
 from kvstore.stores import Store, open_store
+from kvstore.stores.base import LeaseStream
 from kvstore.types import array_view
 
 if TYPE_CHECKING:  # the redis package of kvstore.stores.redis needs redis-py: `kvstore` runs without it
@@ -63,34 +70,62 @@ def _query(query: str, name: str) -> str:
     return ""
 
 
-def _median_seconds(fn: Callable[[], Any], reps: int) -> float:
-    times = []
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _median_timed(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
+    """The median wall seconds and the median CPU seconds of ``reps`` calls of ``fn``, after one
+    untimed call (connections opened, the pool's buffers allocated: once per process in an engine)."""
+    fn()
+    times, cpu = [], []
     for _ in range(reps):
+        c = _cpu_seconds()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        cpu.append(_cpu_seconds() - c)
+    return statistics.median(times), statistics.median(cpu)
+
+
+def _drain(stream: LeaseStream, keys: list[str]) -> None:
+    """Take every value of a ``get_into`` stream and give its buffer back, as an engine does once
+    it has placed the value."""
+    with closing(stream):
+        for key, lease in zip(keys, stream):
+            if lease is None:
+                raise KVStoreError(f"{key} vanished before kvstore bench read it back (evicted? maxmemory)")
+            lease.release()
+
+
+def _row(size: int, count: int, path: str, put: tuple[float, float], get: tuple[float, float],
+         lookup_ms: float | None) -> dict[str, Any]:
+    gb = size * count / 1e9
+    return {"size": size, "count": count, "path": path, "put_gbps": gb / put[0], "get_gbps": gb / get[0],
+            "put_cpu_s_per_gb": put[1] / gb, "get_cpu_s_per_gb": get[1] / gb, "lookup_ms": lookup_ms}
 
 
 def _measure(store: Store, raw: RawRedis | None, raw_prefix: str, keys: list[str], arrays: list[np.ndarray],
              reps: int) -> list[dict[str, Any]]:
     """One record size: the store's row, and the raw client's when there is one."""
     size, count = arrays[0].nbytes, len(arrays)
-    total = size * count
     values = [array_view(a) for a in arrays]
-    put = _median_seconds(lambda: store.put_many(zip(keys, values)), reps)
+    put = _median_timed(lambda: store.put_many(zip(keys, values)), reps)
     store.flush(60.0)
-    get = _median_seconds(lambda: store.get_many(keys), reps)
-    lookup = _median_seconds(lambda: store.longest_prefix(keys), max(reps, 5))
-    rows = [{"size": size, "count": count, "path": "kvstore store", "put_gbps": total / put / 1e9,
-             "get_gbps": total / get / 1e9, "lookup_ms": lookup * 1e3}]
+    pool = BufferPool(footprint(size) * count)  # the whole batch at once: no read waits for a buffer
+    get = _median_timed(lambda: _drain(store.get_into(keys, pool), keys), reps)
+    lookup = _median_timed(lambda: store.longest_prefix(keys), max(reps, 5))[0]
+    rows = [_row(size, count, "kvstore store", put, get, lookup * 1e3)]
     if raw is not None:
+        from kvstore.stores.redis.raw import store_window
+
         raw_keys = [raw_prefix + k for k in keys]  # the store adds its URL's prefix= the same way
-        buffers = [np.empty(size, dtype=np.uint8) for _ in range(count)]
-        put = _median_seconds(lambda: raw.set_many(zip(raw_keys, values)), reps)
-        get = _median_seconds(lambda: raw.get_many_into(raw_keys, buffers), reps)
-        rows.append({"size": size, "count": count, "path": "raw RESP (zero-copy)", "put_gbps": total / put / 1e9,
-                     "get_gbps": total / get / 1e9, "lookup_ms": None})
+        buffers = [np.ones(size, dtype=np.uint8) for _ in range(count)]  # resident, as the pool's are
+        put = _median_timed(lambda: raw.set_many(zip(raw_keys, values)), reps)
+        window = store_window(size)  # the store's reads keep as much requested ahead
+        get = _median_timed(lambda: raw.get_many_into(raw_keys, buffers, ahead=window), reps)
+        rows.append(_row(size, count, "raw RESP (zero-copy)", put, get, None))
     return rows
 
 
@@ -149,10 +184,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"store": name, "reps": args.reps, "pid": os.getpid(), "rows": rows})
         return 0
-    print(f"{name}: median of {args.reps} (GB/s = 10^9 bytes/s; one batch of COUNT records per op)")
-    table = [[human_bytes(r["size"]), r["count"], r["path"], f"{r['put_gbps']:.2f}", f"{r['get_gbps']:.2f}",
+    print(f"{name}: median of {args.reps} (GB/s = 10^9 bytes/s; one batch of COUNT records per op; "
+          f"CPU s/GB: this process's user + system seconds per GB, servers not counted)")
+    table = [[human_bytes(r["size"]), r["count"], r["path"], f"{r['put_gbps']:.2f}", f"{r['put_cpu_s_per_gb']:.2f}",
+              f"{r['get_gbps']:.2f}", f"{r['get_cpu_s_per_gb']:.2f}",
               "" if r["lookup_ms"] is None else f"{r['lookup_ms']:.2f}"] for r in rows]
-    print_table(table, ["RECORD", "COUNT", "PATH", "PUT GB/s", "GET GB/s", "LOOKUP ms"], right=(0, 1, 3, 4, 5))
+    print_table(table, ["RECORD", "COUNT", "PATH", "PUT GB/s", "PUT CPU s/GB", "GET GB/s", "GET CPU s/GB",
+                        "LOOKUP ms"], right=(0, 1, 3, 4, 5, 6, 7))
     return 0
 
 

@@ -4,7 +4,8 @@
 cheapest way Python can: ``set(key, *pieces)`` sends the command header, then each piece as it
 is (``sendall`` of a memoryview: no join, no copy), and ``get_into(key, buffer)`` receives the
 value with ``recv_into`` straight into a buffer the caller preallocated. ``set_many`` and
-``get_many_into`` pipeline a batch (all commands out, then all replies in). There is no
+``get_many_into`` pipeline a batch (all commands out, then all replies in; or, with ``ahead``,
+only that many GETs ahead of the reply being read: ``store_window`` gives the store's). There is no
 connection pool, no retry, no cluster or TLS support: it is a measuring stick for benchmarks
 (``kvstore bench``, ``benchmarks/``), not a client to build on.
 
@@ -19,12 +20,26 @@ import socket
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["RawRedis", "RawRedisError"]
+__all__ = ["RawRedis", "RawRedisError", "store_window"]
 
 _CRLF = b"\r\n"
 _SMALL = 64 * 1024  # pieces below this are coalesced into one send; larger ones go out as they are
 _READ = 256 * 1024
 _SLICE = 1 << 20  # with before_send: small enough to still be in the CPU's cache when it is sent
+
+
+def store_window(size: int, connections: int = 1) -> int:
+    """GETs of ``size``-byte values to keep requested ahead on each of ``connections``
+    connections (``get_many_into``'s ``ahead``): what ``RedisStore``'s reads keep ahead of a
+    batch on one server (``waves.requested_ahead`` with the store's budget and limit), shared
+    out over the connections. A ceiling that asks for more at once than the store does is no
+    ceiling: the replies it makes the server build leave the server's CPU cache before they
+    are sent (``benchmarks/results/peer_lmcache.md``, run 12)."""
+    from kvstore.stores.redis.base import _IN_FLIGHT_BYTES, _IN_FLIGHT_LIMIT  # redis-py: only when asked
+    from kvstore.stores.redis.waves import requested_ahead
+
+    ahead = requested_ahead(size, _IN_FLIGHT_BYTES, _IN_FLIGHT_LIMIT, connections)
+    return max(1, -(-ahead // connections))
 
 
 class RawRedisError(Exception):
@@ -91,16 +106,27 @@ class RawRedis:
         if errors:
             raise errors[0]
 
-    def get_many_into(self, keys: Sequence[str | bytes], buffers: Sequence[Any]) -> list[int | None]:
-        """Pipelined ``GET``s, each value into its own buffer; lengths, ``None`` for absent keys."""
+    def get_many_into(self, keys: Sequence[str | bytes], buffers: Sequence[Any], *,
+                      ahead: int | None = None) -> list[int | None]:
+        """Pipelined ``GET``s, each value into its own buffer; lengths, ``None`` for absent keys.
+
+        All at once by default. With ``ahead``, that many GETs are kept requested ahead of the
+        reply being read: sent all at once, the server builds every reply before it sends the
+        first byte (it reads all of a connection's commands in one pass), so the client waits
+        through all of that copying with nothing to receive; with a window the server builds
+        reply i+1 while reply i is on the wire."""
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
-        for key in keys:
+        ahead = len(keys) if ahead is None else max(1, ahead)
+        for key in keys[:ahead]:
             self._queue(b"GET", _key_bytes(key))
         self._flush()
         out: list[int | None] = []
         error: Exception | None = None
-        for buffer in buffers:
+        for i, buffer in enumerate(buffers):
+            if i + ahead < len(keys):
+                self._queue(b"GET", _key_bytes(keys[i + ahead]))
+                self._flush()
             try:
                 out.append(self._read_bulk_into(_view(buffer)))
             except (RawRedisError, ValueError) as exc:
