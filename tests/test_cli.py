@@ -19,27 +19,32 @@ import pytest
 
 from kvstore import open_store
 from kvstore.cli import main
+from kvstore.cli.clean import HEAD_BYTES
 from kvstore.keys import FORMAT_VERSION, Namespace
 from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.record import header_extent
+from kvstore.stores.file import FileStore
 from kvstore.testing.damage import flip_byte
 
 CHUNK = 32
 
 
-def _namespace(model: str) -> Namespace:
-    return Namespace(model=model, kv_dtype="float16", layout="test", block_size=16, chunk_tokens=CHUNK, layer_end=2)
+def _namespace(model: str, chunk: int = CHUNK) -> Namespace:
+    return Namespace(model=model, kv_dtype="float16", layout="test", block_size=16, chunk_tokens=chunk, layer_end=2)
 
 
-def _fill(url: str, model: str, num_tokens: int, *, created: float | None = None, seed: int = 0) -> list[str]:
-    """Save a synthetic prompt's KV under ``model``'s namespace; returns its keys."""
-    ns = _namespace(model)
+def _fill(url: str, model: str, num_tokens: int, *, created: float | None = None, seed: int = 0,
+          width: int = 8, chunk: int = CHUNK) -> list[str]:
+    """Save a synthetic prompt's KV under ``model``'s namespace (``width`` values per token and
+    layer); returns its keys."""
+    ns = _namespace(model, chunk)
     tokens = np.random.default_rng(seed).integers(0, 32000, num_tokens)
     with open_store(url) as store:
         cache = PrefixCache(store, ns)
         keys = cache.keys(tokens)
 
         def payload(c):
-            return ChunkPayload(shapes=[(c.num_tokens, 8)] * 2, kv=np.ones((2, c.num_tokens, 8), np.float16))
+            return ChunkPayload(shapes=[(c.num_tokens, width)] * 2, kv=np.ones((2, c.num_tokens, width), np.float16))
 
         if created is None:
             cache.save(tokens, keys, payload)
@@ -211,6 +216,57 @@ def test_gc_verify_finds_damaged_payloads(store_url, capsys):
     assert json.loads(out)["tiers"][0]["removed"] == {}  # headers alone look fine
     rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--verify", "--json")
     assert json.loads(out)["tiers"][0]["removed"] == {"undecodable:checksum": 1}
+
+
+def test_gc_judges_records_by_their_headers_and_verify_reads_them_whole(redis_server, capsys):
+    url = f"{redis_server.url}/0?prefix=gc-heads-{os.getpid()}:"
+    keys = _fill(url, "big", 4 * CHUNK, width=8192)  # 1 MiB records: the payloads dwarf the headers
+    record_bytes = 2 * CHUNK * 8192 * 2
+    with redis_server.client() as c, open_store(url) as s:
+        c.config_resetstat()
+        rc, out, _ = run_cli(capsys, "gc", "--store", url, "--json")
+        stats, sent = c.info("commandstats"), c.info("stats")["total_net_output_bytes"]
+        assert rc == 0 and json.loads(out)["tiers"][0]["kept"] == len(keys)
+        assert "cmdstat_get" not in stats and stats["cmdstat_getrange"]["calls"] == len(keys)
+        assert sent < len(keys) * (HEAD_BYTES + 4096) < len(keys) * record_bytes  # first bytes, not payloads
+        flip_byte(s, keys[2])
+        c.config_resetstat()
+        rc, out, _ = run_cli(capsys, "gc", "--store", url, "--verify", "--json")
+        stats, sent = c.info("commandstats"), c.info("stats")["total_net_output_bytes"]
+        assert json.loads(out)["tiers"][0]["removed"] == {"undecodable:checksum": 1}
+        assert stats["cmdstat_get"]["calls"] == len(keys) and sent > len(keys) * record_bytes
+        assert [s.exists(k) for k in keys] == [True, True, False, True]
+        s.delete_many(keys)
+
+
+def test_gc_reads_a_header_longer_than_its_first_read_without_reading_payloads(store_url, capsys, monkeypatch):
+    tokens = HEAD_BYTES // 4 + 1024  # the header's token ids alone outgrow the first read
+    keys = _fill(store_url, "long", tokens, chunk=-(-tokens // 16) * 16)
+    with open_store(store_url) as s:
+        (size, head), = s.get_heads(keys, HEAD_BYTES)
+        assert header_extent(head) > HEAD_BYTES and size > HEAD_BYTES
+
+    def no_whole_reads(self, keys):
+        raise AssertionError("gc read whole records without --verify")
+
+    monkeypatch.setattr(FileStore, "get_many", no_whole_reads)
+    rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--json")
+    (t,) = json.loads(out)["tiers"]
+    assert rc == 0 and t["kept"] == 1 and t["removed"] == {}
+
+
+def test_gc_reads_a_record_whole_before_removing_it_on_its_header_alone(store_url, capsys, monkeypatch):
+    """A record replaced between its size and its first bytes reads as truncated: gc confirms
+    that on the whole record, which is fine, and keeps it."""
+    keys = _fill(store_url, "m", 64)
+    heads = FileStore.get_heads
+    monkeypatch.setattr(FileStore, "get_heads", lambda self, ks, n: [
+        None if h is None else (h[0] + 8, h[1]) for h in heads(self, ks, n)])
+    rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--json")
+    (t,) = json.loads(out)["tiers"]
+    assert rc == 0 and t["kept"] == len(keys) and t["removed"] == {}
+    with open_store(store_url) as s:
+        assert all(s.exists(k) for k in keys)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -22,6 +22,7 @@ another seed); it prints the count of every outcome.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import logging
 import math
@@ -37,11 +38,12 @@ from dataclasses import dataclass
 import forge
 import msgpack
 import numpy as np
+import pytest
 
 from kvstore import FORMAT_VERSION, CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record
 from kvstore.metrics.catalog import CORRUPT
 from kvstore.prefix_cache import PrefixCache
-from kvstore.record import FRAME_BYTES
+from kvstore.record import FRAME_BYTES, header_extent, read_header
 from kvstore.record.auth import RecordAuth, TagKeys
 from kvstore.record.codecs import resolve_chain
 from kvstore.record.format import CHECKSUM_BYTES
@@ -289,7 +291,26 @@ def _decode(base: Base, data: bytes) -> str:
         assert outcome in (None, result), f"the two decode paths disagree: {outcome} vs {result}"
         outcome = result
     assert outcome is not None
+    _header_from_first_bytes(data)
     return outcome
+
+
+def _header_from_first_bytes(data: bytes) -> None:
+    """What ``kvstore gc`` reads of a record, its first bytes and its size, is judged as the
+    whole record's header is: the same header (its trailer unread), or the same rejection."""
+    extent = header_extent(data)
+    head = data if extent is None else data[:extent]
+    try:
+        whole = read_header(data)
+    except CorruptRecordError as exc:
+        with pytest.raises(CorruptRecordError) as err:
+            read_header(head, len(data))
+        assert err.value.reason == exc.reason, (err.value.reason, exc.reason)
+        return
+    got = read_header(head, len(data))
+    if len(head) < len(data) and whole.version >= 2:
+        whole = dataclasses.replace(whole, checksum=b"", tag=None)
+    assert got == whole
 
 
 def _through_prefix_cache(base: Base, data: bytes, outcome: str) -> None:

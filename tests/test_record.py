@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvstore import CorruptRecordError, Namespace, chunk_keys, decode_record, encode_record, read_header
 from kvstore.errors import ConfigError, KVStoreError
-from kvstore.record import DTYPES, FRAME_BYTES
+from kvstore.record import DTYPES, FRAME_BYTES, header_extent
 from kvstore.record.codecs import CHAINS, resolve_chain
 
 NS = Namespace(model="m", kv_dtype="bfloat16", layout="t", block_size=4, chunk_tokens=8, layer_end=2)
@@ -66,6 +67,28 @@ def test_decode_into_callers_buffer(codec):
     out = bytearray(len(kv))
     rec = decode_record(data, chunk=chunk, out=memoryview(out))
     assert bytes(out) == kv and rec.kv.obj is out  # written in place, no new buffer handed back
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_a_header_read_from_the_first_bytes_is_the_whole_records(name, version):
+    data = fixture(name, version).read_bytes()
+    whole = read_header(data)
+    extent = header_extent(data)
+    assert extent is not None and FRAME_BYTES < extent < len(data)
+    head = read_header(data[:extent], len(data))
+    if version >= 2:  # its trailer was not read
+        assert head.checksum == b"" and head.tag is None
+        whole = dataclasses.replace(whole, checksum=b"", tag=None)
+    assert head == whole
+    with pytest.raises(CorruptRecordError) as err:
+        read_header(data[:extent - 1], len(data))  # the header cut short
+    assert err.value.reason == "truncated"
+    with pytest.raises(CorruptRecordError):
+        read_header(data[:extent], len(data) + 1)  # one byte more than the header says
+    with pytest.raises(ValueError):
+        read_header(data, len(data) - 1)
+    assert header_extent(data[:FRAME_BYTES - 1]) is None and header_extent(b"x" * 64) is None
 
 
 def test_raw_decode_is_a_view_of_the_input():

@@ -11,9 +11,11 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore.buffers import BufferPool
 from kvstore.cli import tiers as tier_io
 from kvstore.cli.common import number
 from kvstore.cli.tiers import (
@@ -30,7 +32,7 @@ from kvstore.cli.tiers import (
 from kvstore.config import parse_duration
 from kvstore.errors import ConfigError, CorruptRecordError
 from kvstore.keys import FORMAT_VERSION, KEY_STEM, namespace_prefix, split_key
-from kvstore.record import decode_record, read_header
+from kvstore.record import decode_record, header_extent, read_header
 
 
 # -- rm -------------------------------------------------------------------------------------------
@@ -92,15 +94,16 @@ class GcTally:
 
 
 def gc_verdict(key: str, value: bytes | memoryview, *, now: float, older_than: float | None,
-               verify: bool, digest: bytes | None = None) -> str | None:
+               verify: bool, digest: bytes | None = None, size: int | None = None) -> str | None:
     """Why record ``key`` should go (``expired``, ``undecodable:<reason>``, ``mismatch``), or ``None``.
 
     ``digest``: the value's arrival hash (``Lease.digest``), which ``verify`` then checks the
-    record's checksum against instead of reading the value again."""
+    record's checksum against instead of reading the value again. ``size``: without ``verify``,
+    ``value`` may be the record's first bytes (``read_header``) and ``size`` its whole length."""
     parts = split_key(key)
     assert parts is not None
     try:
-        header = decode_record(value, digest=digest).header if verify else read_header(value)
+        header = decode_record(value, digest=digest).header if verify else read_header(value, size)
     except CorruptRecordError as exc:
         return f"undecodable:{exc.reason}"
     if header.namespace[:8].hex() != parts[1] or header.key.hex() != parts[2]:
@@ -110,12 +113,75 @@ def gc_verdict(key: str, value: bytes | memoryview, *, now: float, older_than: f
     return None
 
 
+#: The first bytes of a record gc reads to judge it by its header: a frame and a header of
+#: thousands of tokens and hundreds of layers. A longer header is read again whole.
+HEAD_BYTES = 64 << 10
+#: Pool of a ``--verify`` scan: records are received into it, verified as they arrive, released.
+_VERIFY_POOL_BYTES = 256 << 20
+
+Verdicts = Iterator[tuple[str, int, str | None]]
+
+
+def _by_headers(tier: Tier, keys: list[str], now: float, older_than: float | None) -> Verdicts:
+    """``(key, size, verdict)`` of each present record, judged by its first bytes only: the
+    payloads stay where they are. A verdict of undecodable is confirmed on the whole record
+    before it stands (the record may have been replaced between reading its size and its bytes)."""
+    with unavailable_as_error(tier.name):
+        heads = tier.store.get_heads(keys, HEAD_BYTES)
+        longer = {i: extent for i, head in enumerate(heads) if head is not None
+                  for extent in [header_extent(head[1])] if extent is not None and len(head[1]) < extent <= head[0]}
+        if longer:
+            again = tier.store.get_heads([keys[i] for i in longer], max(longer.values()))
+            for i, head in zip(longer, again):
+                heads[i] = head
+    doubtful: list[tuple[str, int]] = []
+    for key, head in zip(keys, heads):
+        if head is None:
+            continue
+        size, data = head
+        if split_key(key)[0] < FORMAT_VERSION:  # type: ignore[index]
+            yield key, size, "old-version"
+            continue
+        verdict = gc_verdict(key, data, now=now, older_than=older_than, verify=False, size=size)
+        if verdict is not None and verdict.startswith("undecodable:"):
+            doubtful.append((key, size))
+        else:
+            yield key, size, verdict
+    if doubtful:
+        with unavailable_as_error(tier.name):
+            values = tier.store.get_many([key for key, _ in doubtful])
+        for (key, _), value in zip(doubtful, values):
+            if value is not None:
+                yield key, len(value), gc_verdict(key, value, now=now, older_than=older_than, verify=False)
+
+
+def _by_records(tier: Tier, keys: list[str], now: float, older_than: float | None, pool: BufferPool) -> Verdicts:
+    """``(key, size, verdict)`` of each present record read whole into ``pool`` and verified
+    against the hash taken as it arrived (no second pass over it), each buffer back in the pool
+    once judged."""
+    with unavailable_as_error(tier.name), closing(tier.store.get_into(keys, pool)) as stream:
+        for key, lease in zip(keys, stream):
+            if lease is None:
+                continue
+            try:
+                size = len(lease)
+                if split_key(key)[0] < FORMAT_VERSION:  # type: ignore[index]
+                    verdict: str | None = "old-version"
+                else:
+                    verdict = gc_verdict(key, lease.view, now=now, older_than=older_than, verify=True,
+                                         digest=lease.digest)
+            finally:
+                lease.release()
+            yield key, size, verdict
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     older_than = parse_duration(args.older_than, name="--older-than") if args.older_than else None
     if args.batch < 1:
         raise ConfigError(f"--batch {args.batch} must be at least 1")
     prefix = namespace_prefix(args.namespace) if args.namespace else KEY_STEM
     now = time.time()
+    pool = BufferPool(_VERIFY_POOL_BYTES) if args.verify else None
     tallies: list[GcTally] = []
     with open_tiers(args) as tiers:
         for tier in tiers:
@@ -128,31 +194,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     parts = split_key(key)
                     if parts is None:
                         t.foreign_keys += 1
-                    elif parts[0] < FORMAT_VERSION:
-                        current.append(key)  # read below only for its size
                     elif parts[0] > FORMAT_VERSION:
                         t.newer_version += 1  # written by a newer build: not ours to judge
                     else:
-                        current.append(key)
+                        current.append(key)  # an older version's is judged by its key alone
                 if not current:
                     continue
-                with unavailable_as_error(tier.name):
-                    values = tier.store.get_many(current)
-                for key, value in zip(current, values):
-                    if value is None:
-                        continue
+                verdicts = (_by_headers(tier, current, now, older_than) if pool is None
+                            else _by_records(tier, current, now, older_than, pool))
+                for key, size, verdict in verdicts:
                     t.scanned += 1
-                    if split_key(key)[0] < FORMAT_VERSION:  # type: ignore[index]
-                        verdict: str | None = "old-version"
-                    else:
-                        verdict = gc_verdict(key, value, now=now, older_than=older_than, verify=args.verify)
                     if verdict is None:
                         t.kept += 1
-                        t.kept_bytes += len(value)
+                        t.kept_bytes += size
                     else:
-                        t.drop(verdict, len(value))
+                        t.drop(verdict, size)
                         doomed.append(key)
-                del values
                 if len(doomed) >= BATCH_KEYS:
                     _delete(tier, doomed, args.dry_run)
                     doomed = []

@@ -15,6 +15,7 @@ from kvstore.record.format import (
     decode_record,
     encode_record,
     encode_record_pieces,
+    header_extent,
     kv_nbytes,
     land_record,
     read_header,
@@ -22,4 +23,4 @@ from kvstore.record.format import (
 )
 
 __all__ = ["DTYPES", "FRAME_BYTES", "Landing", "MAGIC", "Record", "RecordAuth", "RecordHeader", "decode_record", "encode_record",
-           "encode_record_pieces", "kv_nbytes", "land_record", "read_header", "verify_landed"]
+           "encode_record_pieces", "header_extent", "kv_nbytes", "land_record", "read_header", "verify_landed"]

@@ -403,17 +403,37 @@ def _fields(header_bytes: memoryview, version: int) -> dict[str, Any]:
     return h
 
 
-def read_header(data: Buffer) -> RecordHeader:
-    """Parse and validate the frame, header and lengths of a whole record (not its checksum or tag)."""
-    return _parse(_flat(data))[0]
+def read_header(data: Buffer, size: int | None = None) -> RecordHeader:
+    """Parse and validate the frame, header and lengths of a record (not its checksum or tag).
+
+    ``data`` is the whole record or, given ``size`` (the whole record's length), its first bytes:
+    at least ``header_extent`` of them, or the error says ``truncated``. The lengths are then
+    checked against ``size``, and a version-2 record's checksum and tag, in its trailer, are not
+    read (``checksum`` is empty, ``tag`` None)."""
+    view = _flat(data)
+    if size is not None and size < len(view):
+        raise ValueError(f"size={size} is shorter than the {len(view)} bytes given")
+    return _parse(view, size)[0]
+
+
+def header_extent(data: Buffer) -> int | None:
+    """How many leading bytes of a record hold its frame and header (what ``read_header`` of a
+    record's first bytes needs), from its frame; None when ``data`` is shorter than a frame or
+    does not start with one of ours."""
+    view = _flat(data)
+    if len(view) < FRAME_BYTES:
+        return None
+    magic, _, _, header_len, _ = _FRAME.unpack_from(view, 0)
+    return FRAME_BYTES + header_len if magic == MAGIC else None
 
 
 def _flat(data: Buffer) -> memoryview:
     return memoryview(data).cast("B") if not isinstance(data, (bytes, bytearray)) else memoryview(data)
 
 
-def _parse(view: memoryview) -> tuple[RecordHeader, int]:
-    """The record's header and where its payload starts."""
+def _parse(view: memoryview, size: int | None = None) -> tuple[RecordHeader, int]:
+    """The record's header and where its payload starts; ``view`` is the whole record, or its
+    first bytes when ``size`` says how long the whole one is (``read_header``)."""
     version, header_bytes = _frame(view)
     h = _fields(header_bytes, version)
     v = _int(h["v"], "v")
@@ -446,11 +466,14 @@ def _parse(view: memoryview) -> tuple[RecordHeader, int]:
     payload_at = FRAME_BYTES + len(header_bytes)
     signed = "kid" in h
     trailer = 0 if version == 1 else (TAG_BYTES if signed else 0) + CHECKSUM_BYTES
-    payload_end = len(view) - trailer
+    total = len(view) if size is None else size
+    payload_end = total - trailer
     if version == 1:
         checksum, tag = _bytes(h["checksum"], "checksum", 8), h.get("tag")
     elif payload_end < payload_at:
-        raise _fail(f"record of {len(view)} bytes is too short for its trailer", "truncated")
+        raise _fail(f"record of {total} bytes is too short for its trailer", "truncated")
+    elif total != len(view):  # the first bytes only: the trailer was not read
+        checksum, tag = b"", None
     else:
         checksum = bytes(view[len(view) - CHECKSUM_BYTES:])
         tag = bytes(view[payload_end:payload_end + TAG_BYTES]) if signed else None

@@ -29,6 +29,12 @@ Contract, for every backend:
   together they hold the value's bytes in order (views of ``view`` for the parts to keep there,
   the reader's own memory for the rest). The lease's ``digest`` then covers every byte, wherever it landed. Backends
   that cannot ignore ``place``: the reader learns which values it placed from its own iterators.
+* ``get_heads(keys, nbytes)`` gives each value's size and its first ``nbytes`` bytes (all of a
+  shorter one), ``None`` on a miss: what tools read to judge records by their headers without
+  moving their payloads. It is not a read for use: it does not count as an access for a store's
+  own eviction order where the backend lets it choose. Where a value is replaced meanwhile, the
+  size and the bytes may come from two versions: a caller that acts on their disagreement reads
+  the value whole first.
 * ``deadline`` bounds how long one call may block on a remote server (``None``: the store does
   no network I/O); ``flush`` waits, at most ``timeout``, for writes accepted but not yet
   durable in the backend (background queues) and says whether they all landed.
@@ -56,7 +62,7 @@ from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.stores.speed import LinkSpeed
 from kvstore.types import Buffer
 
-__all__ = ["Buffer", "EvictionListener", "Evicting", "LeaseStream", "Place", "Store", "takes_place", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
+__all__ = ["Buffer", "EvictionListener", "Evicting", "Head", "LeaseStream", "Place", "Store", "takes_place", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
 
 #: What ``get`` returns for a hit: the value's bytes (a view of a buffer the caller now owns).
 Value = bytes | memoryview
@@ -64,6 +70,8 @@ Value = bytes | memoryview
 WriteValue = Buffer | Pieces
 #: What ``get_into`` returns: values in key order as leases (``None`` for a miss); closable.
 LeaseStream = Generator[Lease | None, None, None]
+#: What ``get_heads`` returns for a hit: the value's size, and its first bytes.
+Head = tuple[int, bytes]
 #: Where ``get_into`` lands value i's bytes, given its lease's view (the contract above).
 Place = Callable[[int, memoryview], Iterator[Sequence[memoryview]]]
 #: Told the keys a store evicted (called after they are gone, outside the store's locks).
@@ -211,6 +219,20 @@ class Store(ABC):
             out.append(None if v is None else len(v))
         return out
 
+    def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
+        """Each value's size and first ``nbytes`` bytes (``None`` if absent); for tools, not the
+        hot path. The default reads whole values; remote backends ask for the head only."""
+        if nbytes < 1:
+            raise ValueError(f"nbytes={nbytes} must be at least 1")
+        out: list[Head | None] = []
+        for value in self.get_many(keys):
+            if value is None:
+                out.append(None)
+            else:
+                view = memoryview(value).cast("B")
+                out.append((len(view), bytes(view[:nbytes])))
+        return out
+
     def describe(self) -> dict[str, Any]:
         """A JSON-able description for logs and tools; never contains secrets."""
         return {"store": type(self).__name__}
@@ -315,6 +337,9 @@ class WrapperStore(Store):
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         return self.inner.size_many(keys)
+
+    def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
+        return self.inner.get_heads(keys, nbytes)
 
     def describe(self) -> dict[str, Any]:
         return self.inner.describe()

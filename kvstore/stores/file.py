@@ -33,7 +33,7 @@ from kvstore.buffers import STREAM_SLICE, ArrivalDigest, BufferPool, Lease, Piec
 from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.metrics.catalog import EVICTIONS
-from kvstore.stores.base import Evicting, LeaseStream, Place, Store, WriteValue
+from kvstore.stores.base import Evicting, Head, LeaseStream, Place, Store, WriteValue
 
 _STALE_TMP_SECONDS = 3600.0
 
@@ -186,6 +186,22 @@ class FileStore(Evicting, Store):
                 out.append(self._path(k).stat().st_size)
             except FileNotFoundError:
                 out.append(None)
+        return out
+
+    def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
+        """Each file's size and first bytes; not an access: the LRU clock is left alone."""
+        if nbytes < 1:
+            raise ValueError(f"nbytes={nbytes} must be at least 1")
+        out: list[Head | None] = []
+        for k in keys:
+            path = self._file(k)
+            try:
+                with open(path, "rb") as f:
+                    out.append((os.fstat(f.fileno()).st_size, f.read(nbytes)))
+            except FileNotFoundError:
+                out.append(None)
+            except OSError as exc:
+                raise StoreUnavailableError(f"file store read {path} failed: {exc}") from exc
         return out
 
     # -- capacity ----------------------------------------------------------------------------

@@ -145,6 +145,20 @@ class StoreTests(ABC):
         store.put(f"{_K}/test/s", b"12345")
         assert store.size_many([f"{_K}/test/s", f"{_K}/test/none"]) == [5, None]
 
+    def test_get_heads(self, store: Store) -> None:
+        big = os.urandom(3 << 20)
+        store.put_many([(f"{_K}/test/h-big", big), (f"{_K}/test/h-small", b"abc"), (f"{_K}/test/h-empty", b"")])
+        keys = [f"{_K}/test/h-big", f"{_K}/test/h-small", f"{_K}/test/h-none", f"{_K}/test/h-empty"]
+        assert store.get_heads(keys, 1000) == [(len(big), big[:1000]), (3, b"abc"), None, (0, b"")]
+        assert store.get_heads(keys[:2], 1) == [(len(big), big[:1]), (3, b"a")]
+        assert store.get_heads([], 10) == []
+        try:
+            store.get_heads(keys, 0)
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("get_heads(keys, 0) must raise ValueError")
+
     def test_iter_keys(self, store: Store) -> None:
         store.put_many([(f"{_K}/aa/1", b"1"), (f"{_K}/aa/2", b"2"), (f"{_K}/bb/1", b"3")])
         assert sorted(store.iter_keys(f"{_K}/aa/")) == [f"{_K}/aa/1", f"{_K}/aa/2"]

@@ -50,7 +50,7 @@ from redis.retry import Retry
 from kvstore.buffers import BufferPool, Lease, Pieces
 from kvstore.config import redact_url
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
-from kvstore.stores.base import LeaseStream, Place, Store, Value, WriteValue
+from kvstore.stores.base import Head, LeaseStream, Place, Store, Value, WriteValue
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import MAX_SPREAD, RedisConfig
 from kvstore.stores.redis.direct import (
@@ -520,6 +520,18 @@ class RedisStoreBase(Store):
         replies = self._pipeline(cmd for k in keys for cmd in (("exists", (self._key(k),), no_kwargs),
                                                                 ("strlen", (self._key(k),), no_kwargs)))
         return [int(replies[i + 1]) if replies[i] else None for i in range(0, len(replies), 2)]
+
+    def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
+        """EXISTS, STRLEN and GETRANGE per key in one pipeline (one round trip, one per node in a
+        cluster)."""
+        if nbytes < 1:
+            raise ValueError(f"nbytes={nbytes} must be at least 1")
+        no_kwargs: dict[str, Any] = {}
+        replies = self._pipeline(cmd for k in keys for cmd in (("exists", (self._key(k),), no_kwargs),
+                                                                ("strlen", (self._key(k),), no_kwargs),
+                                                                ("getrange", (self._key(k), 0, nbytes - 1), no_kwargs)))
+        return [(int(replies[i + 1]), bytes(replies[i + 2])) if replies[i] else None
+                for i in range(0, len(replies), 3)]
 
     def longest_prefix(self, keys: Sequence[str]) -> int:
         """One pipelined EXISTS per key: a single round trip (one per node in a cluster).

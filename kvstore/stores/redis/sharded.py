@@ -26,7 +26,7 @@ import xxhash
 
 from kvstore.config import redact_url, split_url
 from kvstore.errors import ConfigError, StoreUnavailableError
-from kvstore.stores.base import Value, WriteValue
+from kvstore.stores.base import Head, Value, WriteValue
 from kvstore.stores.redis.base import RedisStoreBase
 from kvstore.stores.redis.config import MAX_SPREAD, RedisConfig, _parse_host
 from kvstore.stores.redis.single import RedisStore
@@ -180,6 +180,9 @@ class ShardedRedisStore(RedisStoreBase):
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         return self._fan(keys, RedisStore.size_many)
+
+    def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
+        return self._fan(keys, lambda shard, share: shard.get_heads(share, nbytes))
 
     def close(self) -> None:
         super().close()

@@ -38,7 +38,7 @@ from botocore.config import Config as BotoConfig
 
 from kvstore.buffers import STREAM_SLICE, BufferPool, borrow, lease_or_fresh
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
-from kvstore.stores.base import LeaseStream, Place, Store, Value, WriteValue
+from kvstore.stores.base import Head, LeaseStream, Place, Store, Value, WriteValue
 from kvstore.stores.s3.bodies import Fetch, PartsDigest, abandon, object_size, request_body
 from kvstore.stores.s3.config import S3Config
 
@@ -387,6 +387,25 @@ class S3Store(Store):
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         return self._read(self._head, list(keys))
+
+    def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
+        """One ranged GET per key, in parallel; the size from its ``Content-Range``."""
+        if nbytes < 1:
+            raise ValueError(f"nbytes={nbytes} must be at least 1")
+        return self._read(lambda key: self._get_head(key, nbytes), list(keys))
+
+    def _get_head(self, key: str, nbytes: int) -> Head | None:
+        try:
+            response = self._call(self._client.get_object, Key=self._key(key), Range=f"bytes=0-{nbytes - 1}")
+        except _Missing:
+            return None
+        except StoreUnavailableError as exc:
+            if _error_code(exc.__cause__) != "InvalidRange":
+                raise
+            return 0, b""  # an empty object has no byte 0
+        with self._body_errors():
+            head: bytes = response["Body"].read()
+        return object_size(response.get("ContentRange"), len(head)), head[:nbytes]
 
     def delete_many(self, keys: Sequence[str]) -> int:
         # S3 answers a DELETE the same whether the object existed or not: ask first.
