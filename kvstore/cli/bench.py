@@ -4,12 +4,12 @@ For each record size it writes ``count`` values under a private ``kvstore-bench/
 prefix with one ``put_many``, reads them back with one ``get_into`` (the engine's read: into a
 pool of resident buffers kept from one repetition to the next, each value hashed as it arrives),
 and times ``longest_prefix`` over their keys (the lookup an engine does per prompt: one round
-trip per tier). Each figure is the median of ``--reps`` repetitions; beside each GB/s is this
-process's CPU per GB (user + system, every thread; the servers' is not counted). On a
-``redis://`` URL the same bytes also go through ``kvstore.stores.redis.raw.RawRedis``
-(pipelined, zero-copy sends, reads into preallocated resident buffers, no hash): the ceiling
-the store is measured against, on the same connection parameters. Every key it wrote is
-deleted at the end, also after an error.
+trip per tier). Each figure is the median of ``--reps`` repetitions after untimed warm-up ones
+(``WARM_UP_ROUNDS``); beside each GB/s is this process's CPU per GB (user + system, every
+thread; the servers' is not counted). On a ``redis://`` URL the same bytes also go through
+``kvstore.stores.redis.raw.RawRedis`` (pipelined, zero-copy sends, reads into preallocated
+resident buffers, no hash): the ceiling the store is measured against, on the same connection
+parameters. Every key it wrote is deleted at the end, also after an error.
 
 It writes up to ``count x size`` bytes at a time into the store: on a shared production Redis
 with ``maxmemory`` that can evict real records; point it at a staging store, or lower
@@ -48,6 +48,12 @@ __all__ = ["register", "cmd_bench", "raw_redis_target"]
 
 DEFAULT_SIZES = "256KiB,1MiB,4MiB,16MiB"
 MAX_BATCH_BYTES = 256 << 20  # per size, at most this much is written at once by default
+# Untimed rounds before each figure: connections open, the pool's buffers allocated, and a Redis
+# store's read and write widths learned (it probes wider ones at its 2nd, 4th and 8th batch, then
+# ever more rarely): what an engine's long-lived store has long done. At least one, at most
+# WARM_UP_ROUNDS or as many as fit in WARM_UP_SECONDS (a slow S3 link).
+WARM_UP_ROUNDS = 8
+WARM_UP_SECONDS = 2.0
 
 
 def raw_redis_target(url: str) -> dict[str, Any] | None:
@@ -76,9 +82,13 @@ def _cpu_seconds() -> float:
 
 
 def _median_timed(fn: Callable[[], Any], reps: int) -> tuple[float, float]:
-    """The median wall seconds and the median CPU seconds of ``reps`` calls of ``fn``, after one
-    untimed call (connections opened, the pool's buffers allocated: once per process in an engine)."""
-    fn()
+    """The median wall seconds and the median CPU seconds of ``reps`` calls of ``fn``, after
+    untimed ones (``WARM_UP_ROUNDS``)."""
+    end = time.monotonic() + WARM_UP_SECONDS
+    for _ in range(WARM_UP_ROUNDS):
+        fn()
+        if time.monotonic() > end:
+            break
     times, cpu = [], []
     for _ in range(reps):
         c = _cpu_seconds()
