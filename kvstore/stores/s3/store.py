@@ -51,6 +51,9 @@ _LEASE_WAIT = 0.05  # seconds a GET waits for pool space before receiving into a
 _TIMEOUTS = (botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectTimeoutError)
 
 
+_EMPTY = object()  # _get_first's answer for an empty object
+
+
 class _Missing(Exception):
     """Internal: the object does not exist (a miss, never raised to callers)."""
 
@@ -308,18 +311,25 @@ class S3Store(Store):
         except CancelledError:  # cancelled by close()
             raise self._unavailable("closed while reading") from None
 
-    def _first_part(self, key: str, pool: BufferPool, reads: ThreadPoolExecutor) -> Fetch | None:
-        """GET of ``key``'s first ``part_size`` bytes into a lease of its whole size; the other
-        parts' GETs submitted (not waited for: a pool thread never waits on the pool)."""
-        part = self.config.part_size
+    def _get_first(self, key: str, nbytes: int) -> Any:
+        """The response to a GET of ``key``'s first ``nbytes`` bytes (its body not read yet);
+        None for a missing object, ``_EMPTY`` for an empty one (it has no byte 0 to range over)."""
         try:
-            response = self._call(self._client.get_object, Key=self._key(key), Range=f"bytes=0-{part - 1}")
+            return self._call(self._client.get_object, Key=self._key(key), Range=f"bytes=0-{nbytes - 1}")
         except _Missing:
             return None
         except StoreUnavailableError as exc:
             if _error_code(exc.__cause__) != "InvalidRange":
                 raise
-            return Fetch(borrow(bytearray()), [])  # an empty object: the record decoder says what it is
+            return _EMPTY
+
+    def _first_part(self, key: str, pool: BufferPool, reads: ThreadPoolExecutor) -> Fetch | None:
+        """GET of ``key``'s first ``part_size`` bytes into a lease of its whole size; the other
+        parts' GETs submitted (not waited for: a pool thread never waits on the pool)."""
+        part = self.config.part_size
+        response = self._get_first(key, part)
+        if response is None or response is _EMPTY:  # an empty object: the record decoder says what it is
+            return None if response is None else Fetch(borrow(bytearray()), [])
         body = response["Body"]
         try:
             length = int(response["ContentLength"])
@@ -395,14 +405,9 @@ class S3Store(Store):
         return self._read(lambda key: self._get_head(key, nbytes), list(keys))
 
     def _get_head(self, key: str, nbytes: int) -> Head | None:
-        try:
-            response = self._call(self._client.get_object, Key=self._key(key), Range=f"bytes=0-{nbytes - 1}")
-        except _Missing:
-            return None
-        except StoreUnavailableError as exc:
-            if _error_code(exc.__cause__) != "InvalidRange":
-                raise
-            return 0, b""  # an empty object has no byte 0
+        response = self._get_first(key, nbytes)
+        if response is None or response is _EMPTY:
+            return None if response is None else (0, b"")
         with self._body_errors():
             head: bytes = response["Body"].read()
         return object_size(response.get("ContentRange"), len(head)), head[:nbytes]
