@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from servers import freeze, thaw
 
 from kvstore import open_store
 from kvstore.cli import main
@@ -237,6 +238,22 @@ def test_gc_judges_records_by_their_headers_and_verify_reads_them_whole(redis_se
         assert stats["cmdstat_get"]["calls"] == len(keys) and sent > len(keys) * record_bytes
         assert [s.exists(k) for k in keys] == [True, True, False, True]
         s.delete_many(keys)
+
+
+def test_gc_on_a_frozen_redis_ends_in_one_line_within_its_deadline(redis_server_factory, capsys):
+    server = redis_server_factory()
+    url = f"{server.url}/0?timeout=300ms&connect_timeout=300ms"
+    _fill(url, "m", 64)
+    pid = server._proc.proc.pid
+    freeze(pid)  # the socket accepts, nothing answers
+    try:
+        start = time.monotonic()
+        rc, _, err = run_cli(capsys, "gc", "--store", url)
+        elapsed = time.monotonic() - start
+    finally:
+        thaw(pid)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert elapsed < 3, elapsed
 
 
 def test_gc_reads_a_header_longer_than_its_first_read_without_reading_payloads(store_url, capsys, monkeypatch):

@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+from servers import freeze, thaw
 
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.keys import KEY_PREFIX as _K  # keys shaped like the product's
@@ -144,6 +145,23 @@ def test_a_frozen_server_costs_get_into_one_deadline(s3_server_factory):
         (lease,) = store.get_into(["b"], pool)  # the server answers again
         assert bytes(lease.view) == store.get("b")
         lease.release()
+
+
+def test_a_frozen_server_costs_get_heads_one_deadline(s3_server_factory):
+    server = s3_server_factory()
+    with open_store(server.url_for("frozen-heads", deadline="1s", retries="0")) as store:
+        keys = [f"h{i}" for i in range(8)]
+        store.put_many((k, os.urandom(256 << 10)) for k in keys)
+        pid = server._proc.proc.pid
+        freeze(pid)  # the socket accepts, nothing answers
+        try:
+            start = time.monotonic()
+            with pytest.raises(StoreUnavailableError, match="deadline"):
+                store.get_heads(keys, 4096)  # what kvstore gc reads
+            assert time.monotonic() - start < 2.5
+        finally:
+            thaw(pid)
+        assert [h[0] for h in store.get_heads(keys, 4096)] == [256 << 10] * len(keys)  # answered again
 
 
 def test_wrong_credentials_are_unavailable_not_a_miss(s3_server, monkeypatch):

@@ -139,7 +139,7 @@ def test_a_batch_spreads_over_every_shard(shard_servers):
         assert store.delete_many([k for k, _ in items[:10]] + [f"{_K}/spread/none"]) == 10
 
 
-@pytest.mark.parametrize("op", ["get_into", "get_many", "longest_prefix"])
+@pytest.mark.parametrize("op", ["get_into", "get_many", "longest_prefix", "get_heads"])
 def test_a_frozen_shard_costs_a_batch_one_deadline(shard_servers, op):
     servers = shard_servers
     with open_store(_url(servers, "?timeout=300ms&connect_timeout=300ms")) as store:
@@ -158,6 +158,8 @@ def test_a_frozen_shard_costs_a_batch_one_deadline(shard_servers, op):
                         lease.release()
                 elif op == "get_many":
                     store.get_many(keys)
+                elif op == "get_heads":  # what kvstore gc reads
+                    store.get_heads(keys, 4096)
                 else:
                     store.longest_prefix(keys)
             elapsed = time.monotonic() - t0
