@@ -8,6 +8,7 @@ without ``--yes`` only reports and exits 1; ``gc --dry-run`` reports what would 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -139,9 +140,6 @@ def _by_headers(tier: Tier, keys: list[str], now: float, older_than: float | Non
         if head is None:
             continue
         size, data = head
-        if split_key(key)[0] < FORMAT_VERSION:  # type: ignore[index]
-            yield key, size, "old-version"
-            continue
         verdict = gc_verdict(key, data, now=now, older_than=older_than, verify=False, size=size)
         if verdict is not None and verdict.startswith("undecodable:"):
             doubtful.append((key, size))
@@ -165,11 +163,8 @@ def _by_records(tier: Tier, keys: list[str], now: float, older_than: float | Non
                 continue
             try:
                 size = len(lease)
-                if split_key(key)[0] < FORMAT_VERSION:  # type: ignore[index]
-                    verdict: str | None = "old-version"
-                else:
-                    verdict = gc_verdict(key, lease.view, now=now, older_than=older_than, verify=True,
-                                         digest=lease.digest)
+                verdict = gc_verdict(key, lease.view, now=now, older_than=older_than, verify=True,
+                                     digest=lease.digest)
             finally:
                 lease.release()
             yield key, size, verdict
@@ -190,6 +185,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             doomed: list[str] = []
             for batch in batched(iter_tier_keys(tier, prefix), args.batch):
                 current: list[str] = []
+                old: list[str] = []
                 for key in batch:
                     parts = split_key(key)
                     if parts is None:
@@ -197,11 +193,13 @@ def cmd_gc(args: argparse.Namespace) -> int:
                     elif parts[0] > FORMAT_VERSION:
                         t.newer_version += 1  # written by a newer build: not ours to judge
                     else:
-                        current.append(key)  # an older version's is judged by its key alone
-                if not current:
-                    continue
-                verdicts = (_by_headers(tier, current, now, older_than) if pool is None
-                            else _by_records(tier, current, now, older_than, pool))
+                        (current if parts[0] == FORMAT_VERSION else old).append(key)
+                # An older version's record is judged by its key alone: only its size is read.
+                verdicts: Verdicts = ((key, size, "old-version") for key, size in zip(old, tier_io.sizes(tier, old))
+                                      if size is not None)
+                if current:
+                    verdicts = itertools.chain(verdicts, _by_headers(tier, current, now, older_than) if pool is None
+                                               else _by_records(tier, current, now, older_than, pool))
                 for key, size, verdict in verdicts:
                     t.scanned += 1
                     if verdict is None:

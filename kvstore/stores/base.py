@@ -62,7 +62,7 @@ from kvstore.buffers import BufferPool, Lease, Pieces, borrow
 from kvstore.stores.speed import LinkSpeed
 from kvstore.types import Buffer
 
-__all__ = ["Buffer", "EvictionListener", "Evicting", "Head", "LeaseStream", "Place", "Store", "takes_place", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer"]
+__all__ = ["Buffer", "EvictionListener", "Evicting", "Head", "LeaseStream", "Place", "Store", "takes_place", "StoreTier", "WrapperStore", "Value", "WriteValue", "as_buffer", "check_head_bytes"]
 
 #: What ``get`` returns for a hit: the value's bytes (a view of a buffer the caller now owns).
 Value = bytes | memoryview
@@ -78,6 +78,12 @@ Place = Callable[[int, memoryview], Iterator[Sequence[memoryview]]]
 EvictionListener = Callable[[Sequence[str]], None]
 
 log = logging.getLogger(__name__)
+
+
+def check_head_bytes(nbytes: int) -> None:
+    """``get_heads``' ``nbytes``: at least one byte, or ``ValueError``."""
+    if nbytes < 1:
+        raise ValueError(f"nbytes={nbytes} must be at least 1")
 
 
 def takes_place(store: Store) -> bool:
@@ -222,8 +228,7 @@ class Store(ABC):
     def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
         """Each value's size and first ``nbytes`` bytes (``None`` if absent); for tools, not the
         hot path. The default reads whole values; remote backends ask for the head only."""
-        if nbytes < 1:
-            raise ValueError(f"nbytes={nbytes} must be at least 1")
+        check_head_bytes(nbytes)
         out: list[Head | None] = []
         for value in self.get_many(keys):
             if value is None:

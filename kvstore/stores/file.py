@@ -33,7 +33,7 @@ from kvstore.buffers import STREAM_SLICE, ArrivalDigest, BufferPool, Lease, Piec
 from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.metrics.catalog import EVICTIONS
-from kvstore.stores.base import Evicting, Head, LeaseStream, Place, Store, WriteValue
+from kvstore.stores.base import Evicting, Head, LeaseStream, Place, Store, WriteValue, check_head_bytes
 
 _STALE_TMP_SECONDS = 3600.0
 
@@ -190,8 +190,7 @@ class FileStore(Evicting, Store):
 
     def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
         """Each file's size and first bytes; not an access: the LRU clock is left alone."""
-        if nbytes < 1:
-            raise ValueError(f"nbytes={nbytes} must be at least 1")
+        check_head_bytes(nbytes)
         out: list[Head | None] = []
         for k in keys:
             path = self._file(k)

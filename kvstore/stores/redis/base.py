@@ -50,7 +50,7 @@ from redis.retry import Retry
 from kvstore.buffers import BufferPool, Lease, Pieces
 from kvstore.config import redact_url
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
-from kvstore.stores.base import Head, LeaseStream, Place, Store, Value, WriteValue
+from kvstore.stores.base import Head, LeaseStream, Place, Store, Value, WriteValue, check_head_bytes
 from kvstore.stores.redis import hooks
 from kvstore.stores.redis.config import MAX_SPREAD, RedisConfig
 from kvstore.stores.redis.direct import (
@@ -524,8 +524,7 @@ class RedisStoreBase(Store):
     def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
         """EXISTS, STRLEN and GETRANGE per key in one pipeline (one round trip, one per node in a
         cluster)."""
-        if nbytes < 1:
-            raise ValueError(f"nbytes={nbytes} must be at least 1")
+        check_head_bytes(nbytes)
         no_kwargs: dict[str, Any] = {}
         replies = self._pipeline(cmd for k in keys for cmd in (("exists", (self._key(k),), no_kwargs),
                                                                 ("strlen", (self._key(k),), no_kwargs),

@@ -38,7 +38,7 @@ from botocore.config import Config as BotoConfig
 
 from kvstore.buffers import STREAM_SLICE, BufferPool, borrow, lease_or_fresh
 from kvstore.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
-from kvstore.stores.base import Head, LeaseStream, Place, Store, Value, WriteValue
+from kvstore.stores.base import Head, LeaseStream, Place, Store, Value, WriteValue, check_head_bytes
 from kvstore.stores.s3.bodies import Fetch, PartsDigest, abandon, object_size, request_body
 from kvstore.stores.s3.config import S3Config
 
@@ -328,8 +328,10 @@ class S3Store(Store):
         parts' GETs submitted (not waited for: a pool thread never waits on the pool)."""
         part = self.config.part_size
         response = self._get_first(key, part)
-        if response is None or response is _EMPTY:  # an empty object: the record decoder says what it is
-            return None if response is None else Fetch(borrow(bytearray()), [])
+        if response is None:
+            return None
+        if response is _EMPTY:
+            return Fetch(borrow(bytearray()), [])  # the record decoder says what it is
         body = response["Body"]
         try:
             length = int(response["ContentLength"])
@@ -400,14 +402,15 @@ class S3Store(Store):
 
     def get_heads(self, keys: Sequence[str], nbytes: int) -> list[Head | None]:
         """One ranged GET per key, in parallel; the size from its ``Content-Range``."""
-        if nbytes < 1:
-            raise ValueError(f"nbytes={nbytes} must be at least 1")
+        check_head_bytes(nbytes)
         return self._read(lambda key: self._get_head(key, nbytes), list(keys))
 
     def _get_head(self, key: str, nbytes: int) -> Head | None:
         response = self._get_first(key, nbytes)
-        if response is None or response is _EMPTY:
-            return None if response is None else (0, b"")
+        if response is None:
+            return None
+        if response is _EMPTY:
+            return 0, b""
         with self._body_errors():
             head: bytes = response["Body"].read()
         return object_size(response.get("ContentRange"), len(head)), head[:nbytes]
