@@ -7,8 +7,11 @@ random ids (``--layout``: ``flash-2bnhd``, K and V apart, or vLLM CPU's ``vllm-c
 item per block). Paths, interleaved per round:
 
   raw zero-copy      pipelined SETs of the 8 encoded records / GETs into preallocated buffers
-  kvstore save       ``save_sequence`` into a RedisStore: lookup, gather each chunk from the paged
-                     cache into a pooled buffer, checksum, send header and payload as pieces
+  kvstore save       ``save_sequence`` into a RedisStore: lookup, then each chunk's header and its
+                     blocks sent straight from the paged cache (``sendmsg``), checksummed as
+                     they leave
+  ... gathered       the same with ``save_from_blocks=False``: each chunk gathered from the paged
+                     cache into a pooled buffer first, then sent (what a queueing store gets)
   kvstore load       ``load_sequence`` into another paged cache: each record's header received
                      and checked, its KV landed straight in the cache's blocks, its checksum
                      checked as its last byte arrives, while the next ones arrive
@@ -95,6 +98,7 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
     store = RedisStore.from_url(server.url)
     tiered = TieredStore([RedisStore.from_url(server.url)])
     save_x = KVTransfer(PrefixCache(store, ns), src, make_layout())
+    gather_x = KVTransfer(PrefixCache(store, ns), src, make_layout(), save_from_blocks=False)
     tiered_x = KVTransfer(PrefixCache(tiered, ns), src, make_layout())
     load_x = KVTransfer(PrefixCache(store, ns), dst, make_layout())
     lease_x = KVTransfer(PrefixCache(store, ns), dst, make_layout(), land=False)
@@ -135,11 +139,16 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
         n, _ = lease_x.load_sequence(tokens, dst_slots)
         assert n == TOKENS, n
 
+    def gathered_save() -> None:
+        n = gather_x.save_sequence(tokens, src_slots)
+        assert n == TOKENS // CHUNK, n
+
     def engine_save() -> None:
         n = tiered_x.save_sequence(tokens, src_slots)
         assert n == TOKENS // CHUNK, n
 
     paths = {"raw zero-copy SET": (raw.flushall, raw_put), "kvstore save (sync RedisStore)": (raw.flushall, kv_save),
+             "kvstore save, gathered first (save_from_blocks=False)": (raw.flushall, gathered_save),
              "engine-visible save (tiered write-behind)": (raw.flushall, engine_save),
              "raw zero-copy GET": (None, raw_get), "kvstore load": (None, kv_load),
              "kvstore load, from leases (land=False)": (None, lease_load)}

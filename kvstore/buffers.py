@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,7 +48,7 @@ from kvstore.types import Buffer, array_view
 
 __all__ = ["ArrivalDigest", "BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool",
            "configure_default_pool", "DEFAULT_POOL_BYTES", "SELF_CHECK_BYTES", "STREAM_SLICE", "byte_view",
-           "copy_bytes", "footprint", "lease_or_fresh"]
+           "copy_bytes", "footprint", "io_batches", "IOV_MAX", "lease_or_fresh"]
 
 #: Default budget of the process-wide pool (``configure_default_pool`` changes it).
 DEFAULT_POOL_BYTES = 1 << 30
@@ -62,6 +62,8 @@ _PAGE = 4096
 STREAM_SLICE = 1 << 22
 #: The size of a self-checked value's trailing xxh3-64 (see the module docstring).
 SELF_CHECK_BYTES = 8
+#: Buffers per vectored system call (``writev``, ``sendmsg``); the kernel takes up to 1024.
+IOV_MAX = 512
 
 
 class Lease:
@@ -132,6 +134,29 @@ def copy_bytes(dst: memoryview, src: Buffer) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src_view, dtype=np.uint8))
     else:
         dst[:] = src_view
+
+
+def io_batches(parts: Iterable[Buffer], max_bytes: int = STREAM_SLICE,
+               max_count: int = IOV_MAX) -> Iterator[list[memoryview]]:
+    """``parts`` in order, as lists of byte views for one vectored system call each (``writev``,
+    ``sendmsg``): at most ``max_count`` views, cut once a list holds ``max_bytes`` bytes; empty
+    parts are left out. A record saved straight from a paged cache's blocks is a thousand small
+    parts, which one call each would spend in system call overhead. A list is handed out only
+    once it is full, so a ``Pieces`` stream (which seals a slice when asked for the next) has
+    read each part of a list before the call sends it: the call reads them from the CPU's cache."""
+    batch: list[memoryview] = []
+    size = 0
+    for part in parts:
+        view = byte_view(part)
+        if not len(view):
+            continue
+        batch.append(view)
+        size += len(view)
+        if len(batch) >= max_count or size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def footprint(nbytes: int) -> int:
@@ -259,10 +284,14 @@ class Pieces:
             if index < seal.first:
                 yield part
                 continue
+            if len(part) <= slice_bytes:  # no slice object: a record from a cache's blocks has a thousand parts
+                yield part
+                sealing.update(part)  # after the consumer's send or copy: from the CPU's cache
+                continue
             for pos in range(0, len(part), slice_bytes):
                 piece = part[pos:pos + slice_bytes]
                 yield piece
-                sealing.update(piece)  # after the consumer's send or copy: from the CPU's cache
+                sealing.update(piece)
         trailer = sealing.finish()
         if len(trailer) != seal.nbytes:
             raise AssertionError(f"seal made a {len(trailer)}-byte trailer, it announced {seal.nbytes}")

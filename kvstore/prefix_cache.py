@@ -89,10 +89,12 @@ _REWRITE_MAX = 4096  # chunk keys a cache remembers to rewrite until a save does
 
 @dataclass(frozen=True)
 class ChunkPayload:
-    """What to store for one chunk: tensors of ``shapes`` in ``dtype``, back to back in ``kv``."""
+    """What to store for one chunk: tensors of ``shapes`` in ``dtype``, back to back in ``kv``
+    (one buffer, or a list of buffers that hold those bytes in order, e.g. a paged cache's
+    blocks: valid only during ``save``)."""
 
     shapes: Sequence[Sequence[int]]
-    kv: Buffer
+    kv: Buffer | Sequence[Buffer]
     hidden: Buffer | None = None
     hidden_dtype: str | None = None
     hidden_shape: Sequence[int] | None = None

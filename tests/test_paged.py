@@ -98,12 +98,14 @@ def test_get_layout_names():
 
 def test_transfer_stages_through_the_pool_and_returns_every_buffer():
     layout, cache = _caches(torch.bfloat16)[0]
-    xfer = _transfer(layout, [cache, cache + 1])
-    xfer.cache.pool = xfer.pool = BufferPool(64 << 20)  # this test's own: the default one is shared
+    cache_ = _transfer(layout, [cache, cache + 1]).cache
+    cache_.pool = BufferPool(64 << 20)  # this test's own: the default one is shared
+    # Gathered and scattered through the pool (not sent from, nor landed in, the blocks).
+    xfer = KVTransfer(cache_, [cache, cache + 1], layout, land=False, save_from_blocks=False)
     tokens, slots = list(range(300, 316)), slots_from_block_table([9, 2, 5, 11], N, 16)
     assert xfer.save_sequence(tokens, slots) == 2
     fresh = [torch.zeros_like(c) for c in xfer.kv_caches]
-    assert KVTransfer(xfer.cache, fresh, layout).load_sequence(tokens, slots)[0] == 16
+    assert KVTransfer(xfer.cache, fresh, layout, land=False).load_sequence(tokens, slots)[0] == 16
     stats = xfer.pool.stats()
     assert stats["leased_bytes"] == 0 and stats["allocations"] >= 1 and stats["misses"] == 0
 

@@ -111,6 +111,26 @@ def test_the_trailer_is_computed_as_the_pieces_stream(codec):
     assert b"".join(streamed) == data == pieces.tobytes() and len(pieces) == len(data)
 
 
+@pytest.mark.parametrize("codec", ["raw", "lz4"])
+def test_kv_in_parts_encodes_the_record_of_the_joined_bytes(codec):
+    """A paged cache's blocks go in as the KV's parts, in record order: the same record as their
+    bytes joined (a codec joins them first), the parts sent as they are."""
+    from kvstore.record import encode_record_pieces
+
+    data, chunk, tokens, kv, h = _record(resolve_chain(codec, 2))
+    view = memoryview(kv)
+    parts = [view[:5], view[5:5], view[5:100], bytearray(view[100:101]), view[101:]]
+    pieces = encode_record_pieces(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16",
+                                  shapes=[(2, 8, 3, 4)] * 2, kv=parts, hidden=h, hidden_dtype="bfloat16",
+                                  hidden_shape=(16,), chain=resolve_chain(codec, 2), created=read_header(data).created)
+    assert pieces.tobytes() == data
+    if codec == "raw":
+        assert any(p.obj is kv for p in pieces.parts if isinstance(p, memoryview))  # no copy of the KV
+    with pytest.raises(ValueError, match="need"):
+        encode_record_pieces(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16", shapes=[(2, 8, 3, 4)] * 2,
+                             kv=parts[:-1])
+
+
 def test_a_digest_computed_on_arrival_stands_in_for_hashing_the_record():
     import xxhash
 

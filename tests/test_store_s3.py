@@ -194,3 +194,24 @@ def test_url_forms():
     assert (c.bucket, c.prefix, c.endpoint_url, c.region, c.max_workers) == (
         "bucket", "a/b/", "http://127.0.0.1:9000", "eu-west-1", 4)
     assert S3Config.from_url("s3://bucket").prefix == ""
+
+
+def test_a_pieces_body_reads_any_span_of_many_parts():
+    """botocore reads a body in blocks of its own, seeking back on a retry: every read from any
+    position gives the value's bytes, whatever the parts (a thousand from a cache's blocks, some empty)."""
+    import random
+
+    from kvstore.buffers import Pieces
+    from kvstore.stores.s3.bodies import PiecesBody
+
+    rng = random.Random(7)
+    parts = [bytes(rng.randrange(256) for _ in range(rng.choice([0, 1, 7, 64, 300]))) for _ in range(1000)]
+    whole = b"".join(parts)
+    body = PiecesBody(Pieces(parts))
+    for _ in range(100):
+        start = rng.randrange(len(whole) + 1)
+        assert body.seek(start) == start
+        got = bytearray()
+        while n := body.readinto(buf := bytearray(rng.randrange(1, 5000))):
+            got += buf[:n]
+        assert bytes(got) == whole[start:] and body.tell() == len(whole)

@@ -126,7 +126,7 @@ def host_layers(layers: Sequence[HostLayer | None]) -> list[HostLayer] | None:
 
 class BlockBytes:
     """Every layer's whole blocks as writable byte memoryviews, for landing records straight in
-    the cache (``targets``); built once per set of layers."""
+    the cache and sending records from it (``targets``); built once per set of layers."""
 
     def __init__(self, layers: Sequence[HostLayer]) -> None:
         self.block_size = layers[0].block_size if layers else 0

@@ -6,6 +6,9 @@ slots) it saves chunks through a ``PrefixCache`` and loads the longest stored pr
 * Save: each chunk is gathered from the paged cache straight into a leased pool buffer (resident,
   pinned on CUDA), which becomes the record's payload as it is: the header goes beside it and
   the store sends both pieces (a background writer keeps the lease until the bytes are out).
+  On a CPU cache of whole-block items, a store that sends or copies values before ``put``
+  returns (every store but a tiered one with background writers: ``Store.queues_writes``) is
+  handed the blocks themselves as the payload's pieces: no gather, the send reads the cache.
 * Load: records arrive in leased pool buffers, are verified in place, and are scattered into the
   paged cache straight from there (on an accelerator: one host-to-device copy of the record's
   bytes from the pinned buffer they arrived in, on a side stream, then the scatter on the device).
@@ -59,11 +62,13 @@ class KVTransfer:
     strides), loads land records straight in the blocks (``PrefixCache.load``'s ``land``:
     no copy out of a pool buffer); ``land=False`` keeps every record in its lease until
     verified, then scatters it. Either way the blocks past the loaded prefix hold nothing the
-    caller may use: stale KV, or a failed record's bytes.
+    caller may use: stale KV, or a failed record's bytes. Saves into a store that does not queue
+    writes send such a cache's blocks as they are (``save_from_blocks``; off: gathered into a
+    pool buffer first, as for every other store).
     """
 
     def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout | str, *,
-                 land: bool = True) -> None:
+                 land: bool = True, save_from_blocks: bool = True) -> None:
         if not kv_caches:
             raise ValueError("KVTransfer needs at least one layer's KV cache")
         self.cache = cache
@@ -96,9 +101,13 @@ class KVTransfer:
         self._dev_buf: torch.Tensor | None = None
         # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
         self._host = host_layers([self.layout.host_layer(c) for c in self.kv_caches]) if self.device.type == "cpu" else None
-        # Where loads land records straight in the cache's blocks (CPU caches, whole blocks).
-        self._landing = (BlockBytes(self._host) if land and self._host is not None and self._host[0].blocks is not None
-                         else None)
+        # The cache's whole blocks as bytes (CPU caches): loads land records in them, saves send from them.
+        blocks = (BlockBytes(self._host) if self._host is not None and self._host[0].blocks is not None
+                  else None)
+        if blocks is not None and not blocks.rows:
+            blocks = None
+        self._landing = blocks if land else None
+        self._sources = blocks if save_from_blocks else None
         # torch leaves torch.cuda.Stream's constructor unannotated.
         self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
 
@@ -165,7 +174,9 @@ class KVTransfer:
         written, no lookup is made (``PrefixCache.save``); without it, chunks already stored are
         found by one pre-check and not rebuilt or rewritten. ``namespace`` overrides the cache's
         (same layout, e.g. another cache salt); ``spans`` are the prompt's non-text inputs.
-        Returns the number of chunks written (handed to the store).
+        The KV at ``slots`` must not change until this returns: chunks are read from the cache
+        as the store takes them (gathered, or sent from the blocks themselves). Returns the
+        number of chunks written (handed to the store).
         """
         arr = tokens_to_array(tokens)
         if slots.numel() < arr.shape[0]:
@@ -179,21 +190,31 @@ class KVTransfer:
         if not keys:
             return 0
         slots = slots.to(self.device, torch.int64)
+        # A store that keeps values past put_many would copy borrowed blocks anyway: gather once
+        # into a lease it can retain. Codecs read one contiguous buffer.
+        sources = None if self.cache.store.queues_writes or self.cache.chain else self._sources
 
         def payload(chunk: ChunkKey) -> ChunkPayload:
-            staging, lease = self._host_staging(chunk.num_tokens)
-            try:
-                self._gather(slots[chunk.start:chunk.end], staging)
-            except BaseException:
-                if lease is not None:
-                    lease.release()
-                raise
+            chunk_slots = slots[chunk.start:chunk.end]
+            lease = None
+            blocks = sources.targets(chunk_slots) if sources is not None else None
+            kv: Buffer | Sequence[Buffer]
+            if blocks is not None:
+                kv = blocks
+            else:
+                staging, lease = self._host_staging(chunk.num_tokens)
+                try:
+                    self._gather(chunk_slots, staging)
+                except BaseException:
+                    if lease is not None:
+                        lease.release()
+                    raise
+                kv = lease.view if lease is not None else tensor_bytes(staging)
             hidden = hidden_dtype = hidden_shape = None
             row = chunk.end - 1 - start_token
             if hidden_states is not None and 0 <= row < hidden_states.shape[0]:
                 h = hidden_states[row].detach().to("cpu").contiguous()
                 hidden, hidden_dtype, hidden_shape = tensor_bytes(h), dtype_name(h.dtype), tuple(h.shape)
-            kv = lease.view if lease is not None else tensor_bytes(staging)
             return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=kv, hidden=hidden,
                                 hidden_dtype=hidden_dtype, hidden_shape=hidden_shape, owner=lease)
 

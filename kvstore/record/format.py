@@ -196,7 +196,7 @@ def encode_record_pieces(
     tokens: TokenIds,
     dtype: str,
     shapes: Sequence[Sequence[int]],
-    kv: Buffer,
+    kv: Buffer | Sequence[Buffer],
     hidden: Buffer | None = None,
     hidden_dtype: str | None = None,
     hidden_shape: Sequence[int] | None = None,
@@ -210,9 +210,11 @@ def encode_record_pieces(
     joined.
 
     ``tokens`` are the chunk's own tokens (``chunk.num_tokens`` of them). ``kv`` holds the
-    tensors of ``shapes`` back to back in ``dtype``. With the raw codec the payload pieces are
-    views of ``kv`` and ``hidden`` themselves (no copy): ``owner``, the lease holding them, goes
-    with the pieces so a store that keeps the value past the call can retain it. With ``auth``
+    tensors of ``shapes`` back to back in ``dtype``, in one buffer or in a list (or tuple) of
+    buffers taken in order (a paged cache's blocks: no gather; a codec chain joins them first). With the
+    raw codec the payload pieces are views of ``kv`` and ``hidden`` themselves (no copy):
+    ``owner``, the lease holding them, goes with the pieces so a store that keeps the value past
+    the call can retain it. With ``auth``
     (the tenant's keys: ``RecordAuth.for_salt(namespace.cache_salt)``) the record is signed with
     the current key. The trailer (tag, checksum) is computed as a store streams the pieces
     (``Pieces.stream``).
@@ -224,9 +226,10 @@ def encode_record_pieces(
                          f"version {FORMAT_VERSION}")
     shapes_t = _int_shapes(shapes)
     raw_len = kv_nbytes(dtype, shapes_t)
-    kv_view = byte_view(kv)
-    if len(kv_view) != raw_len:
-        raise ValueError(f"kv has {len(kv_view)} bytes but {dtype} tensors of shapes {shapes_t} need {raw_len}")
+    kv_parts = [byte_view(p) for p in kv] if isinstance(kv, (list, tuple)) else [byte_view(kv)]
+    kv_len = sum(len(p) for p in kv_parts)
+    if kv_len != raw_len:
+        raise ValueError(f"kv has {kv_len} bytes but {dtype} tensors of shapes {shapes_t} need {raw_len}")
     tok = tokens_to_array(tokens)
     if tok.shape[0] != chunk.num_tokens:
         raise ValueError(f"chunk {chunk.index} covers {chunk.num_tokens} tokens, got {tok.shape[0]}")
@@ -242,8 +245,10 @@ def encode_record_pieces(
         hidden_meta = [hidden_dtype, [int(d) for d in hidden_shape]]
     chain = tuple(chain)
     codecs.validate_chain(chain)
-    body = byte_view(codecs.encode(chain, kv_view)) if chain else kv_view
-    payload_len = len(body) + (len(hidden_view) if hidden_view is not None else 0)
+    if chain:
+        joined = kv_parts[0] if len(kv_parts) == 1 else b"".join(kv_parts)
+        kv_parts = [byte_view(codecs.encode(chain, joined))]
+    payload_len = sum(len(p) for p in kv_parts) + (len(hidden_view) if hidden_view is not None else 0)
     fields: dict[str, Any] = {
         "v": FORMAT_VERSION,
         "ns": namespace.digest,
@@ -263,7 +268,7 @@ def encode_record_pieces(
         fields["kid"] = auth.key_id
     header = msgpack.packb(fields, use_bin_type=True)
     head = _FRAME.pack(MAGIC, FORMAT_VERSION, 0, len(header), zlib.crc32(header)) + header
-    payload = [body] + ([hidden_view] if hidden_view is not None else [])
+    payload = kv_parts + ([hidden_view] if hidden_view is not None else [])
     signer = None if auth is None else auth.signer(len(head) + payload_len)
     return Pieces([head, *payload], owner=owner, seal=_RecordSeal(signer))
 

@@ -14,7 +14,8 @@ Contract, for every backend:
 * ``put`` takes one buffer or ``Pieces`` (several buffers making one value: a record's header
   and payload, sent or written in order, never joined on the way). Values are copied or sent
   before ``put`` returns: callers may reuse their buffers. (The tiered store keeps values for its
-  background writers: it retains a ``Pieces``' owner lease, or copies.)
+  background writers: it retains a ``Pieces``' owner lease, or copies; ``queues_writes`` says
+  which stores do.)
 * ``get_into(keys, pool)`` yields the values in key order, each in a ``Lease`` (a pool buffer, or
   a borrowed view of memory the store owns) that the consumer releases when done with it; a
   backend may receive later values while the consumer works on earlier ones. Closing the
@@ -139,6 +140,11 @@ class Store(ABC):
     #: True for stores private to this machine (memory, file): the tiered store writes them
     #: synchronously; shared remote tiers are written in the background.
     is_local: bool = False
+    #: True for stores whose ``put`` hands values to background writers that still read them
+    #: after it returns (the tiered store): a ``Pieces`` with an owner lease is retained, any
+    #: other value copied first. A writer that would only borrow its bytes for the call (a
+    #: paged cache's blocks) gathers them into a lease of its own for such a store instead.
+    queues_writes: bool = False
 
     # -- the small contract -------------------------------------------------------------------
     @abstractmethod
@@ -281,12 +287,14 @@ class WrapperStore(Store):
     """A store that forwards every operation to ``inner``; subclasses override what they add.
 
     Every method of the contract, the batch forms included, is forwarded as it is, so a wrapper
-    keeps the inner store's optimisations (pipelines, parallel requests) and its ``is_local``.
+    keeps the inner store's optimisations (pipelines, parallel requests), its ``is_local`` and
+    its ``queues_writes``.
     """
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.is_local = inner.is_local
+        self.queues_writes = inner.queues_writes
 
     @property
     def deadline(self) -> float | None:

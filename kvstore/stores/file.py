@@ -29,7 +29,17 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
-from kvstore.buffers import STREAM_SLICE, ArrivalDigest, BufferPool, Lease, Pieces, byte_view, lease_or_fresh
+from kvstore.buffers import (
+    IOV_MAX,
+    STREAM_SLICE,
+    ArrivalDigest,
+    BufferPool,
+    Lease,
+    Pieces,
+    byte_view,
+    io_batches,
+    lease_or_fresh,
+)
 from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.metrics.catalog import EVICTIONS
@@ -287,29 +297,16 @@ class FileStore(Evicting, Store):
 
 
 _LEASE_WAIT = 0.05  # a read waits this long for a pool buffer, then reads into a fresh one
-_IOV_MAX = 512  # buffers per preadv or writev (the kernel takes up to 1024)
 
 
 def _write_parts(fd: int, parts: Iterable[memoryview | bytes]) -> int:
-    """Write ``parts`` in order at ``fd``'s position, several per system call (``writev``, up
-    to ``_IOV_MAX`` buffers or about ``STREAM_SLICE`` bytes each: a record landed in a paged
-    cache's blocks is a thousand small parts); returns the bytes written. A ``Pieces`` stream
-    asks for its next slice only once a call has written the slice before it, so its seal
-    still reads each large slice from the CPU's cache."""
-    total = size = 0
-    batch: list[memoryview] = []
-    for part in parts:
-        view = byte_view(part)
-        if not len(view):
-            continue
-        batch.append(view)
-        size += len(view)
-        if len(batch) >= _IOV_MAX or size >= STREAM_SLICE:
-            _writev_all(fd, batch)
-            total, batch, size = total + size, [], 0
-    if batch:
+    """Write ``parts`` in order at ``fd``'s position, several per ``writev`` (``io_batches``);
+    returns the bytes written."""
+    total = 0
+    for batch in io_batches(parts):
         _writev_all(fd, batch)
-    return total + size
+        total += sum(len(v) for v in batch)
+    return total
 
 
 def _writev_all(fd: int, views: list[memoryview]) -> None:
@@ -317,7 +314,7 @@ def _writev_all(fd: int, views: list[memoryview]) -> None:
     unless a signal or a full disk cuts a call short)."""
     first = 0
     while first < len(views):
-        n = os.writev(fd, views[first:first + _IOV_MAX])
+        n = os.writev(fd, views[first:first + IOV_MAX])
         if n <= 0:
             raise OSError(f"writev wrote {n} bytes")
         while first < len(views) and n >= len(views[first]):
@@ -359,12 +356,12 @@ def _read_into(path: str, pool: BufferPool,
 
 def _pread_into(fd: int, views: Sequence[memoryview], offset: int, arrival: ArrivalDigest) -> int:
     """Fill ``views`` in order from ``fd`` at ``offset``, ``STREAM_SLICE`` bytes (and at most
-    ``_IOV_MAX`` buffers) per ``preadv``, each piece hashed after its read; the offset after them."""
+    ``IOV_MAX`` buffers) per ``preadv``, each piece hashed after its read; the offset after them."""
     pieces = [v[at:at + STREAM_SLICE] for v in views for at in range(0, len(v), STREAM_SLICE)]
     i = 0
     while i < len(pieces):
         batch, nbytes = [pieces[i]], len(pieces[i])
-        while i + len(batch) < len(pieces) and len(batch) < _IOV_MAX and nbytes + len(pieces[i + len(batch)]) <= STREAM_SLICE:
+        while i + len(batch) < len(pieces) and len(batch) < IOV_MAX and nbytes + len(pieces[i + len(batch)]) <= STREAM_SLICE:
             batch.append(pieces[i + len(batch)])
             nbytes += len(batch[-1])
         n = os.preadv(fd, batch, offset)

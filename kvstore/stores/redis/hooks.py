@@ -30,7 +30,7 @@ import redis
 import redis.cluster
 from redis.connection import PythonRespSerializer
 
-from kvstore.buffers import ArrivalDigest, Pieces, byte_view
+from kvstore.buffers import IOV_MAX, ArrivalDigest, Pieces, byte_view, io_batches
 from kvstore.types import Buffer, array_view
 
 if TYPE_CHECKING:
@@ -47,9 +47,8 @@ __all__ = ["Connection", "SSLConnection", "UnixConnection", "DirectReplies", "Ze
 
 #: Values at least this large are received into numpy buffers (transparent huge pages).
 HUGE_VALUE = 1 << 20
-_JOIN_CUTOFF = 1 << 14  # smaller command arguments are joined into one buffer (fewer send calls)
+_JOIN_CUTOFF = 1 << 14  # smaller command arguments are joined into one buffer (fewer buffers to send)
 _RECV_SLICE = 1 << 20  # a hashed reply is received in slices the hash reads while still in the CPU's cache
-_IOV_MAX = 512  # buffers per recvmsg_into (the kernel takes up to 1024)
 
 
 def check_redis_py() -> None:
@@ -289,7 +288,7 @@ class DirectReplies:
                 continue
             j = i + 1
             if ends is not None and len(v) - at < _RECV_SLICE:
-                j = bisect.bisect_right(ends, ends[i] - len(v) + at + _RECV_SLICE, i + 1, min(count, i + _IOV_MAX))
+                j = bisect.bisect_right(ends, ends[i] - len(v) + at + _RECV_SLICE, i + 1, min(count, i + IOV_MAX))
             if j == i + 1 or sizes is None:
                 stop = len(v) if arrival is None else min(len(v), at + _RECV_SLICE)
                 n = self._sock.recv_into(v[at:stop])
@@ -360,19 +359,39 @@ def _buffers(packed: Iterable[Any]) -> Iterator[Any]:
 
 
 def send_all(sock: Any, buffers: Sequence[Any]) -> None:
-    """``sendall`` every buffer of packed commands in order, small neighbours coalesced (fewer
-    system calls); a ``Pieces`` is streamed, so its trailer is computed as its bytes leave."""
+    """Send every buffer of packed commands in order, many per ``sendmsg`` (``io_batches``: a
+    record sent straight from a paged cache's blocks is a thousand small parts); a ``Pieces`` is
+    streamed, so its trailer is computed as its bytes leave. A TLS socket has no ``sendmsg``:
+    there small neighbours are joined and each large buffer goes by ``sendall``."""
+    if isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
+        _send_joined(sock, buffers)
+        return
+    for batch in io_batches(_buffers(buffers)):
+        _sendmsg_all(sock, batch)
+
+
+def _sendmsg_all(sock: Any, views: list[memoryview]) -> None:
+    """``sendmsg`` until every byte of ``views`` is sent (a call may send part of them: a full
+    socket buffer, the socket's timeout raising ``TimeoutError`` only when nothing moves)."""
+    first = 0
+    while first < len(views):
+        n = sock.sendmsg(views[first:first + IOV_MAX])
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]
+
+
+def _send_joined(sock: Any, buffers: Sequence[Any]) -> None:
     pending: list[Any] = []
-    size = 0
     for buf in _buffers(buffers):
-        n = len(buf)
-        if n <= _JOIN_CUTOFF:
+        if len(buf) <= _JOIN_CUTOFF:
             pending.append(buf)
-            size += n
             continue
         if pending:
             sock.sendall(b"".join(pending))
-            pending, size = [], 0
+            pending = []
         sock.sendall(buf)
     if pending:
         sock.sendall(b"".join(pending))

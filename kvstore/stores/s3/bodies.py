@@ -5,7 +5,9 @@ lease (``Fetch``), released only once no GET writes into it any more, and hashed
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 import threading
 from concurrent.futures import Future, wait
 from typing import Any
@@ -16,10 +18,13 @@ from kvstore.stores.base import WriteValue
 
 
 class PiecesBody(io.RawIOBase):
-    """A ``Pieces`` value as the seekable file botocore streams a body from (no join)."""
+    """A ``Pieces`` value as the seekable file botocore streams a body from (no join). A read
+    starts at the part holding the position (a value sent from a paged cache's blocks is a
+    thousand parts)."""
 
     def __init__(self, pieces: Pieces) -> None:
         self._parts = pieces.parts
+        self._starts = list(itertools.accumulate((len(p) for p in self._parts), initial=0))
         self._size = pieces.nbytes
         self._pos = 0
 
@@ -39,16 +44,15 @@ class PiecesBody(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
-        written, start = 0, 0
-        for part in self._parts:
-            end = start + len(part)
-            if self._pos < end and written < len(out):
-                lo = self._pos - start
-                n = min(len(part) - lo, len(out) - written)
-                out[written:written + n] = part[lo:lo + n]
-                written += n
-                self._pos += n
-            start = end
+        written = 0
+        index = bisect.bisect_right(self._starts, self._pos) - 1
+        while written < len(out) and index < len(self._parts):
+            part, lo = self._parts[index], self._pos - self._starts[index]
+            n = min(len(part) - lo, len(out) - written)
+            out[written:written + n] = part[lo:lo + n]
+            written += n
+            self._pos += n
+            index += 1
         return written
 
 

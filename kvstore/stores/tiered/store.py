@@ -70,6 +70,7 @@ class TieredStore(Store):
         self.pool = pool or default_pool()
         self._tiers = [Tier(s, n, self.config, clock=clock) for s, n in zip(stores, tier_names(stores))]
         self._writers = [t.writer for t in self._tiers if t.writer is not None]
+        self.queues_writes = bool(self._writers)
         self._closed = False
 
     @classmethod
