@@ -211,13 +211,12 @@ def encode_record_pieces(
 
     ``tokens`` are the chunk's own tokens (``chunk.num_tokens`` of them). ``kv`` holds the
     tensors of ``shapes`` back to back in ``dtype``, in one buffer or in a list (or tuple) of
-    buffers taken in order (a paged cache's blocks: no gather; a codec chain joins them first). With the
-    raw codec the payload pieces are views of ``kv`` and ``hidden`` themselves (no copy):
-    ``owner``, the lease holding them, goes with the pieces so a store that keeps the value past
-    the call can retain it. With ``auth``
-    (the tenant's keys: ``RecordAuth.for_salt(namespace.cache_salt)``) the record is signed with
-    the current key. The trailer (tag, checksum) is computed as a store streams the pieces
-    (``Pieces.stream``).
+    buffers taken in order (a paged cache's blocks: no gather; a codec chain joins them first).
+    With the raw codec the payload pieces are views of ``kv`` and ``hidden`` themselves (no
+    copy): ``owner``, the lease holding them, goes with the pieces so a store that keeps the
+    value past the call can retain it. With ``auth`` (the tenant's keys:
+    ``RecordAuth.for_salt(namespace.cache_salt)``) the record is signed with the current key.
+    The trailer (tag, checksum) is computed as a store streams the pieces (``Pieces.stream``).
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
