@@ -376,6 +376,8 @@ def _sendmsg_all(sock: Any, views: list[memoryview]) -> None:
     first = 0
     while first < len(views):
         n = sock.sendmsg(views[first:first + IOV_MAX])
+        if n <= 0:  # a stream socket sends at least a byte of a non-empty batch, or raises
+            raise OSError(f"sendmsg sent {n} bytes")
         while first < len(views) and n >= len(views[first]):
             n -= len(views[first])
             first += 1
