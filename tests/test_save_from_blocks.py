@@ -1,12 +1,13 @@
 """Saves that send records straight from a CPU cache's blocks (``KVTransfer(save_from_blocks=True)``,
 the default): every store that sends or copies a value before ``put`` returns gets the blocks as
 the payload's pieces (no gather), on real servers (redis-server, Redis Cluster, shards, rclone S3)
-and local stores; the records are the bytes a gathered save writes; a store that queues writes
+and local stores; the records hold what a gathered save's hold; a store that queues writes
 (a tiered store's background writers) gets a gathered lease instead, so blocks the engine reuses
 after the save returns never reach a record; many small pieces survive partial sends."""
 
 from __future__ import annotations
 
+import shutil
 import socket
 import threading
 import uuid
@@ -67,14 +68,13 @@ def url(request, redis_server, tmp_path):
     elif kind == "shm":
         name = f"blocks-{uuid.uuid4().hex[:12]}"
         yield f"shm://{name}?max_bytes=16MiB"
-        import shutil
         shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True)
     else:
         yield "memory://"
 
 
 @pytest.mark.parametrize("case", ["cpu", "flash"])
-def test_a_save_sends_the_blocks_themselves_and_writes_the_gathered_records_bytes(url, case, monkeypatch):
+def test_a_save_sends_the_blocks_themselves_and_stores_what_a_gathered_save_stores(url, case, monkeypatch):
     layout, caches = _cache(case)
     hidden = torch.randn(32, 6)
     gathers = _no_gather(monkeypatch)
@@ -84,16 +84,14 @@ def test_a_save_sends_the_blocks_themselves_and_writes_the_gathered_records_byte
         assert _xfer(store, layout, caches, auth=auth).save_sequence(TOKENS, SAVED, hidden_states=hidden) == 4
         assert gathers == []  # no chunk was gathered: the store read the blocks
         reference = MemoryStore()
-        gathered = _xfer(reference, layout, caches, auth=auth)
-        gathered.save_sequence(TOKENS, SAVED, hidden_states=hidden, from_token=0)
-        assert len(gathers) == 0  # a memory store does not queue either: sent from the blocks too
-        off = KVTransfer(gathered.cache, caches, layout, save_from_blocks=False)
-        off.save_sequence(TOKENS, SAVED, hidden_states=hidden, from_token=0)
+        gathered = KVTransfer(_xfer(reference, layout, caches, auth=auth).cache, caches, layout,
+                              save_from_blocks=False)
+        assert gathered.save_sequence(TOKENS, SAVED, hidden_states=hidden) == 4
         assert len(gathers) == 4
-        assert _payloads(store) == _payloads(reference)  # checksums and tags checked by the decoder
+        assert _payloads(store) == _payloads(reference)  # each checksum checked by the decoder
         fresh = [torch.zeros_like(c) for c in caches]
         slots = slots_from_block_table(list(range(12, 20)), N, 32)
-        n, h = _xfer(store, layout, fresh, auth=auth).load_sequence(TOKENS, slots)
+        n, h = _xfer(store, layout, fresh, auth=auth).load_sequence(TOKENS, slots)  # tags checked
         assert n == 32 and torch.equal(h, hidden[-1])
         assert _same(layout, caches, SAVED, fresh, slots)
 
