@@ -7,6 +7,8 @@ random ids (``--layout``: ``flash-2bnhd``, K and V apart, or vLLM CPU's ``vllm-c
 item per block). Paths, interleaved per round:
 
   raw zero-copy      pipelined SETs of the 8 encoded records / GETs into preallocated buffers
+  raw + xxh3         the same with one xxh3 pass over each record (before its SET, after its
+                     GET): the least CPU a client that checksums what it stores spends
   kvstore save       ``save_sequence`` into a RedisStore: lookup, then each chunk's header and its
                      blocks sent straight from the paged cache (``sendmsg``), checksummed as
                      they leave
@@ -23,7 +25,7 @@ item per block). Paths, interleaved per round:
 GB/s = 10^9 bytes of KV per second; median [min-max] of ``--reps`` rounds after a warm-up. CPU
 s/GB: this process's user+system time (``getrusage(RUSAGE_SELF)``, every thread) over the timed
 calls, per GB of KV (the redis-server's is not counted). The last line prints the ratios to the
-raw client.
+raw client, and the CPU ratios to the raw client plus one xxh3 pass.
 
     python benchmarks/bench_transfer.py [--reps 7] [--json out.json]
 """
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -127,6 +130,16 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
     def raw_get() -> None:
         raw.get_many_into([k for k, _ in items], buffers)
 
+    def raw_put_hashed() -> None:
+        for _, v in items:
+            xxhash.xxh3_64_digest(v)
+        raw.set_many(items)
+
+    def raw_get_hashed() -> None:
+        raw.get_many_into([k for k, _ in items], buffers)
+        for b in buffers:
+            xxhash.xxh3_64_digest(b)
+
     def kv_save() -> None:
         n = save_x.save_sequence(tokens, src_slots)
         assert n == TOKENS // CHUNK, n
@@ -147,10 +160,12 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
         n = tiered_x.save_sequence(tokens, src_slots)
         assert n == TOKENS // CHUNK, n
 
-    paths = {"raw zero-copy SET": (raw.flushall, raw_put), "kvstore save (sync RedisStore)": (raw.flushall, kv_save),
+    paths = {"raw zero-copy SET": (raw.flushall, raw_put), "raw SET + xxh3": (raw.flushall, raw_put_hashed),
+             "kvstore save (sync RedisStore)": (raw.flushall, kv_save),
              "kvstore save, gathered first (save_from_blocks=False)": (raw.flushall, gathered_save),
              "engine-visible save (tiered write-behind)": (raw.flushall, engine_save),
-             "raw zero-copy GET": (None, raw_get), "kvstore load": (None, kv_load),
+             "raw zero-copy GET": (None, raw_get), "raw GET + xxh3": (None, raw_get_hashed),
+             "kvstore load": (None, kv_load),
              "kvstore load, from leases (land=False)": (None, lease_load)}
     times: dict[str, list[float]] = {p: [] for p in paths}
     cpu: dict[str, float] = {p: 0.0 for p in paths}
@@ -160,8 +175,8 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
             if setup is not None:
                 setup()
                 tiered.flush(60)
-            if name == "raw zero-copy GET" or "load" in name:
-                raw_put()  # the records are there to be read
+            if setup is None:
+                raw_put()  # a read path: the records are there to be read
             c = cpu_self()
             t = time.perf_counter()
             fn()
@@ -195,7 +210,9 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
                                                "rates": rates, "cpu_s_per_gb": cpu_gb}, indent=1))
     print(f"\nratio_to_raw save={save_ratio:.2f} load={load_ratio:.2f}; CPU per GB ratio to raw "
           f"save={cpu_gb['kvstore save (sync RedisStore)'] / cpu_gb['raw zero-copy SET']:.2f} "
-          f"load={cpu_gb['kvstore load'] / cpu_gb['raw zero-copy GET']:.2f}")
+          f"load={cpu_gb['kvstore load'] / cpu_gb['raw zero-copy GET']:.2f}; CPU per GB ratio to raw + xxh3 "
+          f"save={cpu_gb['kvstore save (sync RedisStore)'] / cpu_gb['raw SET + xxh3']:.2f} "
+          f"load={cpu_gb['kvstore load'] / cpu_gb['raw GET + xxh3']:.2f}")
 
 
 if __name__ == "__main__":
