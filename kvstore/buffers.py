@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,7 +48,7 @@ from kvstore.types import Buffer, array_view
 
 __all__ = ["ArrivalDigest", "BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool",
            "configure_default_pool", "DEFAULT_POOL_BYTES", "SELF_CHECK_BYTES", "STREAM_SLICE", "byte_view",
-           "copy_bytes", "footprint", "io_batches", "IOV_MAX", "lease_or_fresh"]
+           "copy_bytes", "footprint", "io_batches", "IOV_MAX", "lease_or_fresh", "write_all"]
 
 #: Default budget of the process-wide pool (``configure_default_pool`` changes it).
 DEFAULT_POOL_BYTES = 1 << 30
@@ -157,6 +157,22 @@ def io_batches(parts: Iterable[Buffer], max_bytes: int = STREAM_SLICE,
             batch, size = [], 0
     if batch:
         yield batch
+
+
+def write_all(write: Callable[[list[memoryview]], int], views: list[memoryview]) -> None:
+    """Call ``write`` (a vectored write: ``writev`` of a file, ``sendmsg`` of a socket) on at most
+    ``IOV_MAX`` of ``views`` at a time until every byte is written; a call may write part of
+    them (a full socket buffer, a signal). ``views`` is consumed."""
+    first = 0
+    while first < len(views):
+        n = write(views[first:first + IOV_MAX])
+        if n <= 0:  # a non-empty write moves at least a byte, or raises
+            raise OSError(f"vectored write of {len(views) - first} buffers wrote {n} bytes")
+        while first < len(views) and n >= len(views[first]):
+            n -= len(views[first])
+            first += 1
+        if n:
+            views[first] = views[first][n:]
 
 
 def footprint(nbytes: int) -> int:

@@ -154,3 +154,22 @@ def test_an_abandoned_stream_leaves_the_trailer_to_a_fresh_pass():
 def test_bad_budget_is_a_config_error():
     with pytest.raises(ConfigError, match="max_bytes"):
         BufferPool(10)
+
+
+def test_write_all_resumes_partial_vectored_writes_and_refuses_a_write_of_nothing():
+    from kvstore.buffers import IOV_MAX, write_all
+
+    parts = [bytes([i % 256]) * (i % 7 + 1) for i in range(IOV_MAX * 2 + 5)]
+    out = bytearray()
+    calls = []
+
+    def write(views):  # takes at most 10 bytes a call, as a full socket buffer would
+        calls.append(len(views))
+        data = b"".join(bytes(v) for v in views)[:10]
+        out.extend(data)
+        return len(data)
+
+    write_all(write, [memoryview(p) for p in parts])
+    assert bytes(out) == b"".join(parts) and max(calls) <= IOV_MAX
+    with pytest.raises(OSError, match="wrote 0 bytes"):
+        write_all(lambda views: 0, [memoryview(b"x")])

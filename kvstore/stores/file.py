@@ -39,6 +39,7 @@ from kvstore.buffers import (
     byte_view,
     io_batches,
     lease_or_fresh,
+    write_all,
 )
 from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
@@ -304,24 +305,9 @@ def _write_parts(fd: int, parts: Iterable[memoryview | bytes]) -> int:
     returns the bytes written."""
     total = 0
     for batch in io_batches(parts):
-        _writev_all(fd, batch)
+        write_all(functools.partial(os.writev, fd), batch)
         total += sum(len(v) for v in batch)
     return total
-
-
-def _writev_all(fd: int, views: list[memoryview]) -> None:
-    """``writev`` until every byte of ``views`` is written (a regular file takes all at once
-    unless a signal or a full disk cuts a call short)."""
-    first = 0
-    while first < len(views):
-        n = os.writev(fd, views[first:first + IOV_MAX])
-        if n <= 0:
-            raise OSError(f"writev wrote {n} bytes")
-        while first < len(views) and n >= len(views[first]):
-            n -= len(views[first])
-            first += 1
-        if n:
-            views[first] = views[first][n:]
 
 
 def _read_into(path: str, pool: BufferPool,

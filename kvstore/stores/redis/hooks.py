@@ -30,7 +30,7 @@ import redis
 import redis.cluster
 from redis.connection import PythonRespSerializer
 
-from kvstore.buffers import IOV_MAX, ArrivalDigest, Pieces, byte_view, io_batches
+from kvstore.buffers import IOV_MAX, ArrivalDigest, Pieces, byte_view, io_batches, write_all
 from kvstore.types import Buffer, array_view
 
 if TYPE_CHECKING:
@@ -367,22 +367,7 @@ def send_all(sock: Any, buffers: Sequence[Any]) -> None:
         _send_joined(sock, buffers)
         return
     for batch in io_batches(_buffers(buffers)):
-        _sendmsg_all(sock, batch)
-
-
-def _sendmsg_all(sock: Any, views: list[memoryview]) -> None:
-    """``sendmsg`` until every byte of ``views`` is sent (a call may send part of them: a full
-    socket buffer, the socket's timeout raising ``TimeoutError`` only when nothing moves)."""
-    first = 0
-    while first < len(views):
-        n = sock.sendmsg(views[first:first + IOV_MAX])
-        if n <= 0:  # a stream socket sends at least a byte of a non-empty batch, or raises
-            raise OSError(f"sendmsg sent {n} bytes")
-        while first < len(views) and n >= len(views[first]):
-            n -= len(views[first])
-            first += 1
-        if n:
-            views[first] = views[first][n:]
+        write_all(sock.sendmsg, batch)  # the socket's timeout raises only when nothing moves
 
 
 def _send_joined(sock: Any, buffers: Sequence[Any]) -> None:
