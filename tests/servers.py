@@ -299,7 +299,7 @@ class S3Server:
     client's retry then succeeds), and about once in 300 batches an acknowledged object was left
     pointing at the temporary name, every GET of it an ``InternalError``. ``persistent=True``
     keeps that directory, for a test whose objects must survive ``stop()``/``start()`` like a
-    real S3 outage (it writes one object at a time).
+    real S3 outage (it writes a new directory's first object alone).
     """
 
     def __init__(self, bucket: str = "kvstore-test", persistent: bool = False) -> None:
