@@ -38,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -140,9 +141,11 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
         for b in buffers:
             xxhash.xxh3_64_digest(b)
 
-    def kv_save() -> None:
-        n = save_x.save_sequence(tokens, src_slots)
-        assert n == TOKENS // CHUNK, n
+    def saving(x: KVTransfer) -> Callable[[], None]:
+        def save() -> None:
+            n = x.save_sequence(tokens, src_slots)
+            assert n == TOKENS // CHUNK, n
+        return save
 
     def kv_load() -> None:
         n, _ = load_x.load_sequence(tokens, dst_slots)
@@ -152,18 +155,10 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
         n, _ = lease_x.load_sequence(tokens, dst_slots)
         assert n == TOKENS, n
 
-    def gathered_save() -> None:
-        n = gather_x.save_sequence(tokens, src_slots)
-        assert n == TOKENS // CHUNK, n
-
-    def engine_save() -> None:
-        n = tiered_x.save_sequence(tokens, src_slots)
-        assert n == TOKENS // CHUNK, n
-
     paths = {"raw zero-copy SET": (raw.flushall, raw_put), "raw SET + xxh3": (raw.flushall, raw_put_hashed),
-             "kvstore save (sync RedisStore)": (raw.flushall, kv_save),
-             "kvstore save, gathered first (save_from_blocks=False)": (raw.flushall, gathered_save),
-             "engine-visible save (tiered write-behind)": (raw.flushall, engine_save),
+             "kvstore save (sync RedisStore)": (raw.flushall, saving(save_x)),
+             "kvstore save, gathered first (save_from_blocks=False)": (raw.flushall, saving(gather_x)),
+             "engine-visible save (tiered write-behind)": (raw.flushall, saving(tiered_x)),
              "raw zero-copy GET": (None, raw_get), "raw GET + xxh3": (None, raw_get_hashed),
              "kvstore load": (None, kv_load),
              "kvstore load, from leases (land=False)": (None, lease_load)}

@@ -300,14 +300,11 @@ class Pieces:
             if index < seal.first:
                 yield part
                 continue
-            if len(part) <= slice_bytes:  # no slice object: a record from a cache's blocks has a thousand parts
-                yield part
-                sealing.update(part)  # after the consumer's send or copy: from the CPU's cache
-                continue
+            whole = len(part) <= slice_bytes  # no slice object: a record from a cache's blocks has a thousand parts
             for pos in range(0, len(part), slice_bytes):
-                piece = part[pos:pos + slice_bytes]
+                piece = part if whole else part[pos:pos + slice_bytes]
                 yield piece
-                sealing.update(piece)
+                sealing.update(piece)  # after the consumer's send or copy: from the CPU's cache
         trailer = sealing.finish()
         if len(trailer) != seal.nbytes:
             raise AssertionError(f"seal made a {len(trailer)}-byte trailer, it announced {seal.nbytes}")
