@@ -9,6 +9,10 @@ item per block). Paths, interleaved per round:
   raw zero-copy      pipelined SETs of the 8 encoded records / GETs into preallocated buffers
   raw + xxh3         the same with one xxh3 pass over each record (before its SET, after its
                      GET): the least CPU a client that checksums what it stores spends
+  raw from/into      the same records' bytes sent from the source cache's blocks (header,
+  the blocks         blocks, trailer: ``sendmsg``, many per call) / received into the destination
+                     cache's blocks (``recvmsg_into``), no checksum: what the paged layout itself
+                     costs a zero-copy client (32 KiB pieces at random places, not 32 MiB runs)
   kvstore save       ``save_sequence`` into a RedisStore: lookup, then each chunk's header and its
                      blocks sent straight from the paged cache (``sendmsg``), checksummed as
                      they leave
@@ -25,7 +29,8 @@ item per block). Paths, interleaved per round:
 GB/s = 10^9 bytes of KV per second; median [min-max] of ``--reps`` rounds after a warm-up. CPU
 s/GB: this process's user+system time (``getrusage(RUSAGE_SELF)``, every thread) over the timed
 calls, per GB of KV (the redis-server's is not counted). The last line prints the ratios to the
-raw client, and the CPU ratios to the raw client plus one xxh3 pass.
+raw client, and the CPU ratios to the raw client plus one xxh3 pass and to the raw client
+from or into the blocks.
 
     python benchmarks/bench_transfer.py [--reps 7] [--json out.json]
 """
@@ -53,12 +58,15 @@ from common import cpu_self, machine, memory_limits
 
 from kvstore.keys import Namespace
 from kvstore.paged import CPUPackedLayout, FlashLayout, KVTransfer, slots_from_block_table
+from kvstore.paged.kernels import BlockBytes, host_layers
 from kvstore.prefix_cache import PrefixCache
 from kvstore.stores import TieredStore
 from kvstore.stores.redis import RedisStore
 from kvstore.stores.redis.raw import RawRedis
 
 LAYERS, HEADS, HEAD, BLOCK, BLOCKS, TOKENS, CHUNK = 32, 8, 128, 16, 256, 2048, 256
+RAW_BLOCKS_SET = "raw SET from the blocks (sendmsg)"
+RAW_BLOCKS_GET = "raw GET into the blocks (recvmsg_into)"
 
 
 LAYOUTS = {"flash-2bnhd": (FlashLayout, (2, BLOCKS, BLOCK, HEADS, HEAD)),
@@ -116,17 +124,51 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
     items = [(k.encode(), memoryview(bytes(v))) for k, v in zip(keys, records)]
     record_bytes = sum(len(v) for _, v in items)
     buffers = [memoryview(np.ones(len(v), dtype=np.uint8)) for _, v in items]
-    assert load_x.load_sequence(tokens, dst_slots)[0] == TOKENS
     axis = 1 if args.layout == "flash-2bnhd" else 0  # the block axis
-    ok = all(torch.equal(d.index_select(axis, torch.from_numpy(dst_blocks)), s.index_select(axis, torch.from_numpy(src_blocks)))
-             for d, s in zip(dst, src))
+
+    def landed() -> bool:
+        """The destination cache's blocks hold the source's KV."""
+        pick = [torch.from_numpy(b) for b in (dst_blocks, src_blocks)]
+        return all(torch.equal(d.index_select(axis, pick[0]), s.index_select(axis, pick[1])) for d, s in zip(dst, src))
+
+    assert load_x.load_sequence(tokens, dst_slots)[0] == TOKENS
+    ok = landed()
     print(f"{TOKENS} tokens, {kv_bytes / 2**20:.0f} MiB of KV in {len(items)} records "
           f"({record_bytes / 2**20:.2f} MiB); loaded KV identical to the saved: {ok}", flush=True)
     if not ok:
         raise SystemExit("loaded KV differs from the saved KV")
 
+    # The records as the blocks hold them: header, the chunk's blocks in record order, trailer.
+    chunks = save_x.keys(tokens)
+    kv_len = kv_bytes // len(chunks)
+    src_blocks_b = BlockBytes(host_layers([make_layout().host_layer(c) for c in src]) or [])
+    dst_blocks_b = BlockBytes(host_layers([make_layout().host_layer(c) for c in dst]) or [])
+    scattered_src, scattered_dst = [], []
+    for chunk, (key, record) in zip(chunks, items):
+        head, tail = record[:len(record) - kv_len - 8], record[len(record) - 8:]
+        source = src_blocks_b.targets(src_slots[chunk.start:chunk.end])
+        target = dst_blocks_b.targets(dst_slots[chunk.start:chunk.end])
+        assert source is not None and target is not None, "the bench caches are whole-block viewable"
+        scattered_src.append((key, (head, *source, tail)))
+        scattered_dst.append([memoryview(bytearray(len(head))), *target, memoryview(bytearray(8))])
+
     def raw_put() -> None:
         raw.set_many(items)
+
+    def raw_put_blocks() -> None:
+        raw.set_many(scattered_src, scatter=True)
+
+    def raw_get_blocks() -> None:
+        raw.get_many_into([k for k, _ in items], scattered_dst)
+
+    # The raw client's scattered paths move the very records kvstore wrote.
+    raw.flushall()
+    raw_put_blocks()
+    assert [bytes(v) for v in store.get_many(keys)] == [bytes(v) for _, v in items], "raw SET from the blocks"
+    for d in dst:
+        d.zero_()
+    raw_get_blocks()
+    assert landed(), "raw GET into the blocks"
 
     def raw_get() -> None:
         raw.get_many_into([k for k, _ in items], buffers)
@@ -156,10 +198,12 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
         assert n == TOKENS, n
 
     paths = {"raw zero-copy SET": (raw.flushall, raw_put), "raw SET + xxh3": (raw.flushall, raw_put_hashed),
+             RAW_BLOCKS_SET: (raw.flushall, raw_put_blocks),
              "kvstore save (sync RedisStore)": (raw.flushall, saving(save_x)),
              "kvstore save, gathered first (save_from_blocks=False)": (raw.flushall, saving(gather_x)),
              "engine-visible save (tiered write-behind)": (raw.flushall, saving(tiered_x)),
              "raw zero-copy GET": (None, raw_get), "raw GET + xxh3": (None, raw_get_hashed),
+             RAW_BLOCKS_GET: (None, raw_get_blocks),
              "kvstore load": (None, kv_load),
              "kvstore load, from leases (land=False)": (None, lease_load)}
     times: dict[str, list[float]] = {p: [] for p in paths}
@@ -207,7 +251,11 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
           f"save={cpu_gb['kvstore save (sync RedisStore)'] / cpu_gb['raw zero-copy SET']:.2f} "
           f"load={cpu_gb['kvstore load'] / cpu_gb['raw zero-copy GET']:.2f}; CPU per GB ratio to raw + xxh3 "
           f"save={cpu_gb['kvstore save (sync RedisStore)'] / cpu_gb['raw SET + xxh3']:.2f} "
-          f"load={cpu_gb['kvstore load'] / cpu_gb['raw GET + xxh3']:.2f}")
+          f"load={cpu_gb['kvstore load'] / cpu_gb['raw GET + xxh3']:.2f}; CPU per GB ratio to raw from/into the "
+          f"blocks save={cpu_gb['kvstore save (sync RedisStore)'] / cpu_gb[RAW_BLOCKS_SET]:.2f} "
+          f"load={cpu_gb['kvstore load'] / cpu_gb[RAW_BLOCKS_GET]:.2f}; throughput ratio to it "
+          f"save={med['kvstore save (sync RedisStore)'] / med[RAW_BLOCKS_SET]:.2f} "
+          f"load={load_ratio * med['raw zero-copy GET'] / med[RAW_BLOCKS_GET]:.2f}")
 
 
 if __name__ == "__main__":

@@ -160,14 +160,16 @@ def io_batches(parts: Iterable[Buffer], max_bytes: int = STREAM_SLICE,
 
 
 def write_all(write: Callable[[list[memoryview]], int], views: list[memoryview]) -> None:
-    """Call ``write`` (a vectored write: ``writev`` of a file, ``sendmsg`` of a socket) on at most
-    ``IOV_MAX`` of ``views`` at a time until every byte is written; a call may write part of
-    them (a full socket buffer, a signal). ``views`` is consumed."""
+    """Call ``write`` (a vectored write: ``writev`` of a file, ``sendmsg`` of a socket; or a
+    vectored read filling ``views``: a socket's ``recvmsg_into``) on at most ``IOV_MAX`` of
+    ``views`` at a time until every byte has moved; a call may move part of them (a full or
+    empty socket buffer, a signal). ``views`` is consumed. A call that moves nothing (a closed
+    peer's read) raises ``OSError``."""
     first = 0
     while first < len(views):
         n = write(views[first:first + IOV_MAX])
-        if n <= 0:  # a non-empty write moves at least a byte, or raises
-            raise OSError(f"vectored write of {len(views) - first} buffers wrote {n} bytes")
+        if n <= 0:  # a non-empty write or read moves at least a byte, or raises
+            raise OSError(f"vectored I/O of {len(views) - first} buffers moved {n} bytes")
         while first < len(views) and n >= len(views[first]):
             n -= len(views[first])
             first += 1

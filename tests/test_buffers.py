@@ -171,5 +171,5 @@ def test_write_all_resumes_partial_vectored_writes_and_refuses_a_write_of_nothin
 
     write_all(write, [memoryview(p) for p in parts])
     assert bytes(out) == b"".join(parts) and max(calls) <= IOV_MAX
-    with pytest.raises(OSError, match="wrote 0 bytes"):
+    with pytest.raises(OSError, match="moved 0 bytes"):
         write_all(lambda views: 0, [memoryview(b"x")])

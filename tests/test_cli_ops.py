@@ -7,6 +7,7 @@ resumes; an unreachable destination ends in one line and a non-zero exit.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -233,6 +234,31 @@ def test_raw_redis_set_get_pipelines_and_errors(redis_server_factory):
     assert r.delete(*[k for k, _ in items], "k", "big") == len(items) + 2
     with server.client(db=1) as c:  # what another client sees in db 1
         assert c.dbsize() == 0
+    r.close()
+
+
+def test_raw_redis_scattered_values_from_and_into_many_buffers(redis_server):
+    """The paged ceiling (``bench_transfer``): a value sent from many buffers (more than one
+    ``sendmsg`` takes, empty ones among them) and received into many, in order, exactly."""
+    rng = np.random.default_rng(3)
+    r = RawRedis("127.0.0.1", redis_server.port)
+    sizes = [int(n) for n in rng.integers(0, 40_000, 1300)] + [0, 3 << 20, 7]
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    items = [("scatter-a", (b"head", *pieces, b"tail")), ("scatter-b", tuple(pieces[:5]))]
+    r.set_many(items, scatter=True)
+    whole = [b"".join(bytes(p) for p in value) for _, value in items]
+    with redis_server.client() as c:
+        assert [c.get(k) for k, _ in items] == whole
+    # Received into as many buffers, cut elsewhere; the second value right behind the first.
+    cuts = [0, *sorted(int(c) for c in rng.integers(0, len(whole[0]), 900)), len(whole[0])]
+    into = [memoryview(bytearray(b - a)) for a, b in itertools.pairwise(cuts)]
+    second = [memoryview(bytearray(len(whole[1]) - 10)), memoryview(bytearray(10))]
+    assert r.get_many_into([k for k, _ in items], [into, second]) == [len(w) for w in whole]
+    assert b"".join(into) == whole[0] and b"".join(second) == whole[1]
+    with pytest.raises(ValueError, match="exactly"):  # a list of buffers must be filled exactly
+        r.get_many_into(["scatter-b"], [[memoryview(bytearray(len(whole[1]) + 1))]])
+    assert r.ping()  # still in step
+    r.delete(*[k for k, _ in items])
     r.close()
 
 

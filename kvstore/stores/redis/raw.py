@@ -5,12 +5,17 @@ cheapest way Python can: ``set(key, *pieces)`` sends the command header, then ea
 is (``sendall`` of a memoryview: no join, no copy), and ``get_into(key, buffer)`` receives the
 value with ``recv_into`` straight into a buffer the caller preallocated. ``set_many`` and
 ``get_many_into`` pipeline a batch (all commands out, then all replies in; or, with ``ahead``,
-only that many GETs ahead of the reply being read: ``store_window`` gives the store's). There is no
+only that many GETs ahead of the reply being read: ``store_window`` gives the store's). Both take
+a value scattered over many buffers (a paged cache's blocks): ``set_many(scatter=True)`` sends
+them with ``sendmsg``, many per call, and a sequence of buffers given to ``get_many_into`` is
+filled with ``recvmsg_into``: the least a client moving a record from or into the blocks
+spends, with no copy and no checksum. There is no
 connection pool, no retry, no cluster or TLS support: it is a measuring stick for benchmarks
 (``kvstore bench``, ``benchmarks/``), not a client to build on.
 
 Errors: ``RawRedisError`` for an error reply (``-ERR ...``), ``OSError`` (``ConnectionError``,
-``TimeoutError``) for the socket. A value larger than the buffer handed to ``get_into`` raises
+``TimeoutError``) for the socket. A value larger than the buffer handed to ``get_into`` (or not
+filling a list of buffers exactly) raises
 ``ValueError`` after the value was read off the socket, so the connection stays usable.
 """
 
@@ -19,6 +24,8 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from kvstore.buffers import io_batches, write_all
 
 __all__ = ["RawRedis", "RawRedisError", "store_window"]
 
@@ -88,14 +95,30 @@ class RawRedis:
         return self._read_bulk_into(_view(buffer))
 
     def set_many(self, items: Iterable[tuple[str | bytes, Any]], *,
-                 before_send: Callable[[memoryview], object] | None = None) -> None:
+                 before_send: Callable[[memoryview], object] | None = None, scatter: bool = False) -> None:
         """Pipelined ``SET`` of ``(key, value)`` pairs; a value may be one buffer or a tuple of pieces.
         With ``before_send`` large pieces go out in slices of 1 MiB, each handed to it right before
-        it is sent (what a checksum computed as the bytes leave would cost: ``bench_save_split``)."""
+        it is sent (what a checksum computed as the bytes leave would cost: ``bench_save_split``).
+        With ``scatter`` every piece goes out as it is, small ones too, many per ``sendmsg``
+        (``before_send`` is not called)."""
         n = 0
-        for key, value in items:
-            self._queue_set(key, value if isinstance(value, (tuple, list)) else (value,), before_send)
-            n += 1
+        if scatter:
+            views: list[memoryview] = []
+            for key, value in items:
+                pieces = [_view(p) for p in (value if isinstance(value, (tuple, list)) else (value,))]
+                k = _key_bytes(key)
+                views.append(memoryview(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n"
+                                        % (len(k), k, sum(v.nbytes for v in pieces))))
+                views.extend(pieces)
+                views.append(memoryview(_CRLF))
+                n += 1
+            self._flush()
+            for batch in io_batches(views):
+                write_all(self._sock.sendmsg, batch)
+        else:
+            for key, value in items:
+                self._queue_set(key, value if isinstance(value, (tuple, list)) else (value,), before_send)
+                n += 1
         self._flush()
         errors = []
         for _ in range(n):  # read every reply, so the connection stays in step, then report
@@ -108,7 +131,8 @@ class RawRedis:
 
     def get_many_into(self, keys: Sequence[str | bytes], buffers: Sequence[Any], *,
                       ahead: int | None = None) -> list[int | None]:
-        """Pipelined ``GET``s, each value into its own buffer; lengths, ``None`` for absent keys.
+        """Pipelined ``GET``s, each value into its own buffer, or into a list or tuple of buffers
+        filled in order (``recvmsg_into``); lengths, ``None`` for absent keys.
 
         All at once by default. With ``ahead``, that many GETs are kept requested ahead of the
         reply being read: sent all at once, the server builds every reply before it sends the
@@ -128,7 +152,8 @@ class RawRedis:
                 self._queue(b"GET", _key_bytes(keys[i + ahead]))
                 self._flush()
             try:
-                out.append(self._read_bulk_into(_view(buffer)))
+                out.append(self._read_bulk_into([_view(b) for b in buffer] if isinstance(buffer, (list, tuple))
+                                                else _view(buffer)))
             except (RawRedisError, ValueError) as exc:
                 error = error or exc
                 out.append(None)
@@ -233,7 +258,22 @@ class RawRedis:
             self._read_exact(scratch[:step])
             n -= step
 
-    def _read_bulk_into(self, target: memoryview) -> int | None:
+    def _read_exact_scattered(self, targets: list[memoryview]) -> None:
+        """Fill ``targets`` in order: from what is buffered, then straight from the socket."""
+        first = 0
+        while first < len(targets) and self._end > self._start:
+            have = min(self._end - self._start, targets[first].nbytes)
+            targets[first][:have] = self._mv[self._start:self._start + have]
+            self._start += have
+            if have == targets[first].nbytes:
+                first += 1
+            else:
+                targets[first] = targets[first][have:]
+        rest = [t for t in targets[first:] if t.nbytes]
+        if rest:
+            write_all(lambda views: self._sock.recvmsg_into(views)[0], rest)
+
+    def _read_bulk_into(self, target: memoryview | list[memoryview]) -> int | None:
         line = self._line()
         if line[:1] == b"-":
             raise RawRedisError(line[1:].decode(errors="replace"))
@@ -242,10 +282,15 @@ class RawRedis:
         n = int(line[1:])
         if n < 0:
             return None
-        if n > target.nbytes:
+        room = target.nbytes if isinstance(target, memoryview) else sum(t.nbytes for t in target)
+        if n > room or (n < room and isinstance(target, list)):
             self._skip(n + 2)
-            raise ValueError(f"value of {n} bytes does not fit the {target.nbytes}-byte buffer")
-        self._read_exact(target[:n])
+            raise ValueError(f"value of {n} bytes does not fit the {room}-byte buffer"
+                             + ("s exactly" if isinstance(target, list) else ""))
+        if isinstance(target, list):
+            self._read_exact_scattered(target)
+        else:
+            self._read_exact(target[:n])
         self._skip(2)
         return n
 
