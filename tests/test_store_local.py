@@ -132,17 +132,21 @@ def _run_processes(ctx, target, args_list) -> None:
 @pytest.mark.parametrize("most", [None, 5000])
 def test_a_value_of_many_parts_is_written_whole(tmp_path, monkeypatch, most):
     """A value in more parts than one ``writev`` takes (a record landed in a paged cache's
-    blocks, promoted from there), written whole in order; with ``most`` every call writes at
-    most that many bytes, as a signal or a full disk can make it."""
+    blocks, promoted from there), written whole in order, and counted whole against the
+    store's budget; with ``most`` every call writes at most that many bytes, as a signal or a
+    full disk can make it."""
     import kvstore.stores.file as file_store
 
     if most is not None:
         real = os.writev
         monkeypatch.setattr(file_store.os, "writev", lambda fd, bufs: real(fd, _first_bytes(bufs, most)))
     parts = [os.urandom(n) for n in [1, 7, 0, 32768, 4099] * 300]  # 1,500 parts, more than _IOV_MAX
-    with open_store(f"file://{tmp_path}/kv") as store:
+    with open_store(f"file://{tmp_path}/kv?max_bytes=1GiB") as store:
         store.put("k", Pieces(parts))
         assert bytes(store.get("k")) == b"".join(parts)
+        store.put("k2", Pieces(parts))
+    counted = int.from_bytes((tmp_path / "kv" / ".usage").read_bytes()[:8], "little")
+    assert counted == 2 * len(b"".join(parts))  # the shared usage counter, bytes of both files
 
 
 def _first_bytes(buffers, n):

@@ -54,6 +54,35 @@ def test_longest_prefix_spans_several_windows_and_stops_at_a_gap(s3_server):
         assert store.longest_prefix(keys) == 40
 
 
+def test_a_failed_put_many_returns_once_no_upload_reads_its_values(s3_server):
+    """The first error of a batch is raised only after the uploads already running have ended
+    and the rest were cancelled: the caller may reuse the values' memory (a paged cache's
+    blocks) as soon as ``put_many`` returns."""
+    events: list[tuple[str, str]] = []
+
+    class OneRefused(S3Store):
+        def put(self, key, value):
+            if key == "k0":
+                time.sleep(0.05)  # k1 is under way when k0 fails
+                events.append(("refused", key))
+                raise StoreUnavailableError("refused")
+            events.append(("started", key))
+            time.sleep(0.3)
+            super().put(key, value)
+            events.append(("ended", key))
+
+    with OneRefused.from_url(s3_server.url_for("refused", max_workers="2")) as store:
+        with pytest.raises(StoreUnavailableError, match="refused"):
+            store.put_many([(f"k{i}", b"v") for i in range(6)])
+        events.append(("returned", ""))
+        time.sleep(0.5)  # long enough for any upload left behind to show itself
+        assert events[-1] == ("returned", ""), events  # nothing ran on after put_many raised
+        started = [k for what, k in events if what == "started"]
+        assert {"k1"} <= set(started) and {k for what, k in events if what == "ended"} == set(started), events
+        assert "k5" not in started, events  # those still queued were cancelled, not run
+        assert store.get("k1") == b"v"
+
+
 def test_no_negative_caching(s3_server):
     with open_store(s3_server.url_for("neg")) as a, open_store(s3_server.url_for("neg")) as b:
         assert a.get("k") is None and a.longest_prefix(["k"]) == 0

@@ -220,7 +220,8 @@ class FileStore(Evicting, Store):
             return
         # Shared by every process: a per-process estimate would let N writers that each stay
         # under the budget fill N times it.
-        total = self._usage(lambda t: (self._scan_total() if t is None else t) + added)
+        # Never counted yet: the scan finds this value's file too.
+        total = self._usage(lambda t: self._scan_total() if t is None else t + added)
         if total > self.config.max_bytes:
             self.evict()
 
@@ -305,8 +306,8 @@ def _write_parts(fd: int, parts: Iterable[memoryview | bytes]) -> int:
     returns the bytes written."""
     total = 0
     for batch in io_batches(parts):
+        total += sum(len(v) for v in batch)  # before write_all, which consumes the batch
         write_all(functools.partial(os.writev, fd), batch)
-        total += sum(len(v) for v in batch)
     return total
 
 

@@ -144,7 +144,10 @@ class S3Store(Store):
         return pool
 
     def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R]:
-        """``fn`` over ``items`` on the write pool, results in order; the first error is raised."""
+        """``fn`` over ``items`` on the write pool, results in order; the first error is raised
+        once no call runs any more (those not started are cancelled): a failed ``put_many``
+        returns only when no upload reads the caller's values, which it may then reuse (a paged
+        cache's blocks, a pool's leases)."""
         if self._closed:
             raise self._unavailable("closed")
         if len(items) <= 1:
@@ -156,7 +159,13 @@ class S3Store(Store):
             if self._closed:
                 raise self._unavailable("closed") from None
             return [fn(i) for i in items]  # writes and deletes are idempotent: any already submitted may rerun
-        return [f.result() for f in futures]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            wait(futures)  # the running ones end by their socket timeouts at the latest
+            raise
 
     def _read(self, fn: Callable[[T], R], items: Sequence[T], end: float | None = None) -> list[R]:
         """``fn`` over ``items`` on the read pool, results in order, all within ``end`` (default:
