@@ -13,7 +13,8 @@ Contract, for every backend:
   exception. Bad configuration raises ``ConfigError`` when the store is built.
 * ``put`` takes one buffer or ``Pieces`` (several buffers making one value: a record's header
   and payload, sent or written in order, never joined on the way). Values are copied or sent
-  before ``put`` returns: callers may reuse their buffers. (The tiered store keeps values for its
+  before ``put`` returns, and a ``put_many`` that raises returns only once nothing reads its
+  values any more: callers may reuse their buffers either way. (The tiered store keeps values for its
   background writers: it retains a ``Pieces``' owner lease, or copies; ``queues_writes`` says
   which stores do.)
 * ``get_into(keys, pool)`` yields the values in key order, each in a ``Lease`` (a pool buffer, or
