@@ -107,7 +107,8 @@ class ZeroCopyPacker:
     def __init__(self, buffer_cutoff: int, encode: Any) -> None:
         self._cutoff = buffer_cutoff
         self._python = PythonRespSerializer(buffer_cutoff, encode)
-        self._small = HiredisRespSerializer() if HIREDIS_AVAILABLE else self._python
+        hiredis_packer: Any = HiredisRespSerializer  # its constructor is annotated in some redis-py releases only
+        self._small = hiredis_packer() if HIREDIS_AVAILABLE else self._python
 
     def pack(self, *args: Any) -> list[Any]:
         cutoff = self._cutoff
