@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import servers
 from common import cpu_self, machine, memory_limits
 
+from kvstore.buffers import SELF_CHECK_BYTES
 from kvstore.keys import Namespace
 from kvstore.paged import CPUPackedLayout, FlashLayout, KVTransfer, slots_from_block_table
 from kvstore.paged.kernels import BlockBytes, host_layers
@@ -145,12 +146,13 @@ def run(server: servers.RedisServer, args: argparse.Namespace) -> None:
     dst_blocks_b = BlockBytes(host_layers([make_layout().host_layer(c) for c in dst]) or [])
     scattered_src, scattered_dst = [], []
     for chunk, (key, record) in zip(chunks, items):
-        head, tail = record[:len(record) - kv_len - 8], record[len(record) - 8:]
+        cut = len(record) - SELF_CHECK_BYTES  # an unsigned record's trailer is its checksum alone
+        head, tail = record[:cut - kv_len], record[cut:]
         source = src_blocks_b.targets(src_slots[chunk.start:chunk.end])
         target = dst_blocks_b.targets(dst_slots[chunk.start:chunk.end])
         assert source is not None and target is not None, "the bench caches are whole-block viewable"
         scattered_src.append((key, (head, *source, tail)))
-        scattered_dst.append([memoryview(bytearray(len(head))), *target, memoryview(bytearray(8))])
+        scattered_dst.append([memoryview(bytearray(len(head))), *target, memoryview(bytearray(len(tail)))])
 
     def raw_put() -> None:
         raw.set_many(items)
