@@ -3,7 +3,7 @@
 The top tier of a replica: the fastest, private to the process. Values are copied on ``put``
 (callers reuse their staging buffers) and returned as the stored immutable ``bytes``.
 
-After ``pin_host_memory`` (a GPU engine's transfer asks for it) values of a MiB or more are kept
+After ``pin_host_memory`` (a GPU engine's transfer asks for it) values of 64 KiB or more are kept
 in an arena of buffers registered with the accelerator (a ``BufferPool`` of the store's
 capacity, reused as values are evicted: no page faults, no registration per value), and
 ``get_into`` hands them out as leases that say ``pinned``: a load DMAs a verified record from
@@ -32,7 +32,8 @@ from kvstore.pinned import HostPinner
 from kvstore.stores.base import Evicting, LeaseStream, Place, Store, Value, WriteValue
 from kvstore.types import array_view
 
-_HUGE = 1 << 20  # values at least this large live in numpy buffers (transparent huge pages), or the arena
+_HUGE = 1 << 20  # values at least this large live in numpy buffers (transparent huge pages)
+_ARENA_MIN = 64 << 10  # with an arena, values at least this large live there (a DMA from pageable memory costs more)
 
 #: What the store keeps per key: the value, or (in the arena) the lease it lives in.
 _Held = Value | Lease
@@ -53,12 +54,12 @@ def _own(value: WriteValue, arena: BufferPool | None) -> _Held:
     """An immutable private copy of ``value``: ``bytes``; for large values a read-only view of a
     numpy buffer (its huge pages fault in several times faster than a fresh ``bytes``), or a
     lease of ``arena`` when it has room."""
-    if isinstance(value, bytes):
-        return value
     n = _size(value)
-    if n < _HUGE:
+    lease = arena.lease(n) if arena is not None and n >= _ARENA_MIN else None
+    if lease is None and isinstance(value, bytes):
+        return value
+    if lease is None and n < _HUGE:
         return value.tobytes() if isinstance(value, Pieces) else bytes(value)
-    lease = arena.lease(n) if arena is not None else None
     if lease is not None:
         try:
             _write(lease.view, value)
@@ -149,7 +150,7 @@ class MemoryStore(Evicting, Store):
         copying: list[tuple[str, Future[_Held]]] = []
         try:
             for key, value in items:
-                if _size(value) >= _HUGE:
+                if _size(value) >= (_ARENA_MIN if self._arena is not None else _HUGE):
                     copying.append((key, workers().submit(_own, value, self._arena)))
                 else:
                     self.put(key, value)
