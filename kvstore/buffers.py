@@ -411,6 +411,14 @@ class _Stats:
     oversize: int = 0
 
 
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 class BufferPool:
     """Resident buffers up to ``max_bytes`` in total; see the module docstring.
 
@@ -423,6 +431,8 @@ class BufferPool:
         self.max_bytes = max_bytes
         self.pin = bool(pin)
         self._pinner: HostPinner | None = cuda_pinner() if pin is True else (pin or None)
+        # CUDA without its runtime library in reach (no registration): torch's pinned allocator.
+        self._torch_pin = pin is True and self._pinner is None and _cuda_available()
         self._lock = threading.Condition()
         self._free: list[tuple[Any, bool]] = []  # buffers not leased, any size, and whether each is pinned
         self._held = 0  # bytes of every buffer the pool owns (free and leased)
@@ -485,6 +495,12 @@ class BufferPool:
 
     def _allocate(self, size: int) -> tuple[Any, bool]:
         """A new buffer, its pages faulted in, and whether it is pinned (registered until freed)."""
+        if self._torch_pin:
+            import torch
+
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+            buf[::_PAGE] = 0
+            return buf, True
         if self._pinner is None:
             buf = np.empty(size, dtype=np.uint8)
             buf[::_PAGE] = 0  # fault every page in now, once, not on the hot path

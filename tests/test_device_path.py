@@ -202,7 +202,7 @@ def test_verification_runs_on_several_threads_while_records_are_staged(monkeypat
 
         def slow_verify(*args, **kwargs):
             start = time.perf_counter()
-            time.sleep(0.05)  # long enough that verdicts overlap, and staging overtakes them
+            time.sleep(0.2)  # long enough that verdicts overlap, and staging overtakes them, on a busy machine too
             real(*args, **kwargs)
             events.append((threading.current_thread().name, start, time.perf_counter()))
 

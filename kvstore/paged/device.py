@@ -96,6 +96,8 @@ class DeviceCopies:
             cache.store.pin_host_memory(self.pinner)
         self.staging_bytes = staging_bytes
         self.stats: Counter[tuple[str, str]] = Counter()
+        # One load or save at a time: they share the device staging and the side stream.
+        self._lock = threading.Lock()
         # torch leaves torch.cuda.Stream's constructor unannotated.
         self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
         self._buf: torch.Tensor | None = None
@@ -166,7 +168,8 @@ class DeviceCopies:
                                 owner=None if owner is None else owner.retain())
 
         try:
-            return self.cache.save(tokens, keys, payload, from_token=from_token, namespace=namespace, spans=spans)
+            with self._lock:
+                return self.cache.save(tokens, keys, payload, from_token=from_token, namespace=namespace, spans=spans)
         finally:
             for lease in held:
                 lease.release()
@@ -215,6 +218,19 @@ class DeviceCopies:
         """``KVTransfer.load_sequence``'s load of ``keys`` (all ending after ``skip_tokens``)."""
         total = LoadResult()
         done = 0
+        with self._lock:
+            done = self._load_windows(tokens, keys, slots, skip_tokens, total, namespace=namespace,
+                                      before_place=before_place, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape)
+        if done < len(keys):
+            metrics.MISSES.inc(len(keys) - done)  # windows never asked for: the load stopped before them
+        return total
+
+    def _load_windows(self, tokens: np.ndarray, keys: Sequence[ChunkKey], slots: torch.Tensor, skip_tokens: int,
+                      total: LoadResult, *, namespace: Namespace | None,
+                      before_place: Callable[[ChunkKey, Record], None] | None, hidden_dtype: str | None,
+                      hidden_shape: Sequence[int] | None) -> int:
+        """``load``'s windows, one ``load_staged`` each, until one falls short; how many keys were asked for."""
+        done = 0
         try:
             for window in self._windows(keys):
                 staging = _Staging(self, window, slots, skip_tokens)
@@ -233,9 +249,7 @@ class DeviceCopies:
         finally:
             if self.stream is not None:  # the next forward reads what was scattered
                 torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        if done < len(keys):
-            metrics.MISSES.inc(len(keys) - done)  # windows never asked for: the load stopped before them
-        return total
+        return done
 
 
 class _Staging:

@@ -57,8 +57,8 @@ from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.pinned import HostPinner
 from kvstore.stores.base import LeaseStream, Place, Value
-from kvstore.types import array_view
 from kvstore.stores.file import FileConfig, FileStore
+from kvstore.types import array_view
 
 __all__ = ["ShmConfig", "ShmStore"]
 
