@@ -38,7 +38,19 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import machine
-from gpu_common import BLOCK, HEAD, KV_HEADS, Prefix, copy_ceilings, med, redis_servers, shards_url, shm_store, span, timed
+from gpu_common import (
+    BLOCK,
+    HEAD,
+    KV_HEADS,
+    Prefix,
+    copy_ceilings,
+    med,
+    redis_servers,
+    shards_url,
+    shm_store,
+    span,
+    timed,
+)
 
 from kvstore.paged import slots_from_block_table
 from kvstore.stores import open_store

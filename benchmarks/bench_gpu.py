@@ -31,7 +31,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-
 from common import machine
 from gpu_common import (
     Prefix,
