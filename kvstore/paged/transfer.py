@@ -156,17 +156,17 @@ class KVTransfer:
 
         # Every chunk end's hidden state in one copy to the host (on an accelerator, one wait for
         # the compute stream instead of one per chunk).
-        ends: dict[int, torch.Tensor] = {}
+        end_hidden: dict[int, torch.Tensor] = {}
         if hidden_states is not None:
             n = hidden_states.shape[0]
             rows = sorted({row for row in (k.end - 1 - start_token for k in keys) if 0 <= row < n})
             if rows:
                 index = torch.tensor(rows, device=hidden_states.device)
                 host = hidden_states.detach().index_select(0, index).to("cpu").contiguous()
-                ends = {row: host[i] for i, row in enumerate(rows)}
+                end_hidden = {row: host[i] for i, row in enumerate(rows)}
 
         def hidden(chunk: ChunkKey) -> tuple[Buffer | None, str | None, tuple[int, ...] | None]:
-            h = ends.get(chunk.end - 1 - start_token)
+            h = end_hidden.get(chunk.end - 1 - start_token)
             if h is None:
                 return None, None, None
             return tensor_bytes(h), dtype_name(h.dtype), tuple(h.shape)
