@@ -1,41 +1,33 @@
-"""The GPU break-even (issue 24, item 5): loading a 2,048-token Llama-3-8B-shaped prefix into a
-paged KV cache on the device, from the host-shared memory tier and from Redis, against the
-prefill of those tokens by a Llama-3-8B-shaped model on the same device, in the same run.
+"""Does loading beat recomputing on a GPU? Loads of a Llama-3-8B-shaped prefix into a paged KV
+cache on the device, from every store a GPU host uses, against the prefill of the same tokens by
+a real Llama implementation on the same device, in the same run, at 2,048 and 8,192 tokens.
 
-Load: ``KVTransfer.load_sequence`` (lookup, records read, verified, copied to the device and
-scattered into blocks at random ids; ``flash-2bnhd``, block size 16, chunks of ``--chunk``
-tokens) from ``shm://`` (/dev/shm) and, where ``redis-server`` is installed, from one
-redis-server and from ``redis+shards://`` of ``--shards`` servers on this host. Each store holds
-the prefix (saved once, untimed).
+Prefill: HF transformers' ``LlamaForCausalLM`` built from a Llama-3-8B config (hidden 4,096, 32
+layers, 32 query and 8 KV heads of 128, MLP 14,336, vocabulary 128,256, RoPE theta 500,000),
+random bf16 weights, ``attn_implementation="sdpa"``, ``logits_to_keep=1``: the forward pass an
+engine runs to prefill, the embedding, norms, RoPE and the last token's logits included. Where
+transformers is missing, a model-shaped stand-in (the same matmuls and attention, without RoPE
+or the vocabulary; about 2.5x slower than the real implementation on an H200) says so in the table.
 
-Prefill: the forward pass of ``--tokens`` tokens through ``--layers`` Llama-3-8B-shaped decoder
-layers (hidden 4,096, 32 query heads and 8 KV heads of 128, MLP 14,336, RMSNorm, causal
-``scaled_dot_product_attention``), bf16 weights drawn at random. To keep memory and set-up time
-small every layer applies the same weights: the FLOPs and the weight bytes read per layer are an
-8B model's, and the weights (436 MB per layer) do not fit in any cache, so reuse saves no
-traffic. Rotary embeddings, the embedding lookup and the last token's logits are left out (under
-1% of the FLOPs). This is a model-shaped stand-in, not an engine: a real engine's prefill adds
-its own scheduling and kernels (usually faster attention), so compare with an engine's measured
-prefill where one is at hand.
+Load: ``KVTransfer.load_sequence`` (records read where they lie, every one verified, DMA'd and
+scattered at random blocks; flash layout, 16-token blocks, 256-token chunks) from ``memory://``,
+``shm://``, one redis-server and ``redis+shards://`` of ``--shards`` servers. Each load is also
+given as a ratio to ``copy_`` of the same bytes from pinned host memory (its ceiling). The first
+table row checks the data path with the model's own KV: the prefill's keys and values, written
+into a paged cache, saved to ``shm://`` and loaded into another one, must come back bit-equal.
 
-Every time is a median [min-max] of ``--reps`` after a warm-up, synchronised with the device.
-The verdict divides each load's time by the prefill's: below 1, loading wins.
+Every time is a median [min-max] of ``--reps`` after a warm-up, synchronised with the device. The
+verdict divides each load's time by the prefill's: below 1, loading wins.
 
-On a GPU host (``scripts/gpu_check`` runs it):
-    python benchmarks/bench_breakeven.py [--reps 5]
-Here, on the CPU, scaled down so a prefill finishes (``--device cpu --layers 2 --tokens 256``):
-    python benchmarks/bench_breakeven.py --device cpu --layers 2 --tokens 256 --reps 2
+    python benchmarks/bench_breakeven.py [--reps 5] [--json out.json]                       # a GPU host
+    python benchmarks/bench_breakeven.py --device cpu --layers 2 --vocab 1024 --tokens 256 --reps 2   # smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,168 +36,189 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from common import machine
+from gpu_common import (
+    BLOCK,
+    HEAD,
+    KV_HEADS,
+    Prefix,
+    copy_ceilings,
+    med,
+    redis_servers,
+    shards_url,
+    shm_store,
+    span,
+    timed,
+)
 
-from kvstore.keys import Namespace
-from kvstore.paged import FlashLayout, KVTransfer, slots_from_block_table
-from kvstore.prefix_cache import PrefixCache
+from kvstore.paged import slots_from_block_table
 from kvstore.stores import open_store
 from kvstore.stores.base import Store
 
-HIDDEN, Q_HEADS, KV_HEADS, HEAD, MLP, BLOCK = 4096, 32, 8, 128, 14336, 16
+HIDDEN, Q_HEADS, MLP, VOCAB = 4096, 32, 14336, 128256
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def llama(device: torch.device, layers: int, vocab: int) -> tuple[Callable[[torch.Tensor, bool], object], str]:
+    """The prefill to beat: HF ``LlamaForCausalLM`` (Llama-3-8B shape, random bf16 weights,
+    sdpa), or the stand-in where transformers is missing. Returns ``(forward(ids, use_cache),
+    description)``."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return _stand_in(device, layers), "model-shaped stand-in (transformers is not installed)"
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=layers,
+                         num_attention_heads=Q_HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD, vocab_size=vocab,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    with torch.device(device):
+        try:
+            model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+        except TypeError:  # transformers 4: torch_dtype
+            model = LlamaForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    model.eval()
+
+    @torch.inference_mode()
+    def forward(ids: torch.Tensor, use_cache: bool) -> object:
+        return model(ids, use_cache=use_cache, logits_to_keep=1)
+    version = __import__("transformers").__version__
+    return forward, f"HF transformers {version} LlamaForCausalLM, {layers} layers, sdpa, random bf16 weights"
 
 
-def timed(fn: Callable[[], object], reps: int, device: torch.device) -> list[float]:
-    fn()
-    sync(device)
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        out.append(time.perf_counter() - t)
-    return sorted(out)
+def _stand_in(device: torch.device, layers: int) -> Callable[[torch.Tensor, bool], object]:
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def w(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g, device=device, dtype=torch.bfloat16) * cols ** -0.5
+    qkv, o = w((Q_HEADS + 2 * KV_HEADS) * HEAD, HIDDEN), w(HIDDEN, Q_HEADS * HEAD)
+    gate_up, down = w(2 * MLP, HIDDEN), w(HIDDEN, MLP)
+    norm = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
+
+    @torch.inference_mode()
+    def forward(ids: torch.Tensor, use_cache: bool) -> object:
+        n = ids.shape[1]
+        x = torch.randn(n, HIDDEN, device=device, dtype=torch.bfloat16)
+        for _ in range(layers):  # the same weights each layer: an 8B model's FLOPs and weight traffic
+            h = F.rms_norm(x, (HIDDEN,), norm)
+            q, k, v = (h @ qkv.T).split([Q_HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], dim=-1)
+            q = q.view(n, Q_HEADS, HEAD).transpose(0, 1)
+            k = k.view(n, KV_HEADS, HEAD).transpose(0, 1).repeat_interleave(Q_HEADS // KV_HEADS, dim=0)
+            v = v.view(n, KV_HEADS, HEAD).transpose(0, 1).repeat_interleave(Q_HEADS // KV_HEADS, dim=0)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(n, Q_HEADS * HEAD)
+            x = x + a @ o.T
+            gate, up = (F.rms_norm(x, (HIDDEN,), norm) @ gate_up.T).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ down.T
+        return x
+    return forward
 
 
-class Layer:
-    """One Llama-3-8B-shaped decoder layer's weights (random, bf16) and its forward pass."""
-
-    def __init__(self, device: torch.device) -> None:
-        g = torch.Generator(device=device).manual_seed(0)
-
-        def w(rows: int, cols: int) -> torch.Tensor:
-            return (torch.randn(rows, cols, generator=g, device=device, dtype=torch.bfloat16) * cols ** -0.5)
-
-        self.qkv = w((Q_HEADS + 2 * KV_HEADS) * HEAD, HIDDEN)
-        self.o = w(HIDDEN, Q_HEADS * HEAD)
-        self.gate_up = w(2 * MLP, HIDDEN)
-        self.down = w(HIDDEN, MLP)
-        self.norm1 = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
-        self.norm2 = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        h = F.rms_norm(x, (HIDDEN,), self.norm1)
-        q, k, v = (h @ self.qkv.T).split([Q_HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], dim=-1)
-        q = q.view(n, Q_HEADS, HEAD).transpose(0, 1)
-        k = k.view(n, KV_HEADS, HEAD).transpose(0, 1).repeat_interleave(Q_HEADS // KV_HEADS, dim=0)
-        v = v.view(n, KV_HEADS, HEAD).transpose(0, 1).repeat_interleave(Q_HEADS // KV_HEADS, dim=0)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1).reshape(n, Q_HEADS * HEAD)
-        x = x + a @ self.o.T
-        h = F.rms_norm(x, (HIDDEN,), self.norm2)
-        gate, up = (h @ self.gate_up.T).chunk(2, dim=-1)
-        return x + (F.silu(gate) * up) @ self.down.T
-
-
-def prefill_flops(tokens: int, layers: int) -> float:
-    """Matmul FLOPs of the forward pass (2 per multiply-add), attention's causal half included."""
-    weights = HIDDEN * (Q_HEADS + 2 * KV_HEADS) * HEAD + Q_HEADS * HEAD * HIDDEN + 3 * HIDDEN * MLP
-    attention = 2 * Q_HEADS * HEAD * tokens * tokens / 2  # QK^T and PV over the causal half
-    return layers * (2 * tokens * weights + 2 * attention)
+def model_kv_round_trip(forward: Callable[[torch.Tensor, bool], object], device: torch.device, tokens: int,
+                        layers: int, vocab: int) -> str:
+    """The model's own KV of a ``tokens`` prefill, into a paged cache, through ``shm://`` and back
+    into another at other blocks: bit-equal, or a SystemExit."""
+    out = forward(torch.randint(0, vocab, (1, tokens), device=device), True)
+    cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        return "skipped (the stand-in has no KV cache)"
+    per_layer = [(lay.keys, lay.values) for lay in cache.layers] if hasattr(cache, "layers") else \
+        list(zip(cache.key_cache, cache.value_cache))
+    prefix = Prefix(device, tokens, layers, seed=1)
+    for c, (k, v) in zip(prefix.src, per_layer):
+        flat = c.view(2, -1, KV_HEADS, HEAD)
+        flat[0, prefix.src_slots] = k[0].transpose(0, 1)
+        flat[1, prefix.src_slots] = v[0].transpose(0, 1)
+    with shm_store("kv-check", 2 * prefix.nbytes) as (store, _):
+        prefix.transfer(store, prefix.src, model="llama-kv").save_sequence(prefix.token_ids, prefix.src_slots)
+        n, _ = prefix.transfer(store, prefix.dst, model="llama-kv").load_sequence(prefix.token_ids, prefix.dst_slots)
+    dst_slots = slots_from_block_table(prefix.dst_blocks, BLOCK, tokens, device=device)
+    same = n == tokens and all(
+        torch.equal(d.view(2, -1, KV_HEADS, HEAD)[0, dst_slots], k[0].transpose(0, 1)) and
+        torch.equal(d.view(2, -1, KV_HEADS, HEAD)[1, dst_slots], v[0].transpose(0, 1))
+        for d, (k, v) in zip(prefix.dst, per_layer))
+    if not same:
+        raise SystemExit("the model's KV did not come back bit-equal through shm://")
+    return f"bit-equal ({tokens} tokens, {layers} layers, {prefix.nbytes / 1e6:.0f} MB)"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--tokens", default="2048,8192", help="prefix lengths (multiples of 256)")
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--chunk", type=int, default=256, help="tokens per chunk (a multiple of 16)")
-    parser.add_argument("--shards", type=int, default=2, help="redis-servers of the sharded store (0: none)")
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--shards", type=int, default=4, help="servers of the sharded store (0: none)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", help="also write the figures as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lengths = [int(t) for t in args.tokens.split(",")]
+    if any(t % 256 for t in lengths):
+        raise SystemExit("--tokens must be multiples of 256")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (device path, smoke run)"
     print(f"{machine()}; device: {name}", flush=True)
-    if args.tokens % BLOCK or args.chunk % BLOCK or args.tokens % args.chunk:
-        raise SystemExit("--tokens must be a multiple of --chunk, and both of 16")
-    rng = np.random.default_rng(0)
-    blocks_total = args.tokens // BLOCK * 2
-    kv = [torch.randn(2, blocks_total, BLOCK, KV_HEADS, HEAD, device=device).to(torch.bfloat16)
-          for _ in range(args.layers)]
-    dst = [torch.zeros_like(c) for c in kv]
-    tokens = rng.integers(0, 128000, args.tokens, dtype=np.uint32)
-    src_blocks = rng.permutation(blocks_total)[:args.tokens // BLOCK].tolist()
-    dst_blocks = rng.permutation(blocks_total)[:args.tokens // BLOCK].tolist()
-    src_slots = slots_from_block_table(src_blocks, BLOCK, args.tokens, device=device)
-    dst_slots = slots_from_block_table(dst_blocks, BLOCK, args.tokens, device=device)
-    kv_bytes = args.tokens * args.layers * 2 * KV_HEADS * HEAD * 2
-    ns = Namespace(model="bench-breakeven", kv_dtype="bfloat16", layout="flash-2bnhd", block_size=BLOCK,
-                   chunk_tokens=args.chunk, layer_end=args.layers)
-
-    stores: dict[str, Store] = {}
-    redis_servers: list = []
-    shm_name = f"bench-breakeven-{os.getpid()}"
-    stores["shm://"] = open_store(f"shm://{shm_name}?max_bytes={max(1 << 30, 2 * kv_bytes)}")
-    try:
-        import importlib.util
-
-        import servers
-
-        if servers.find_binary("redis-server") is None or importlib.util.find_spec("redis") is None:
-            print("redis-server or redis-py is not installed here: the Redis rows are left out", flush=True)
-        else:
-            redis_servers = [servers.RedisServer() for _ in range(max(1, args.shards))]
-            stores["redis, 1 server"] = open_store(redis_servers[0].url)
-            if args.shards > 1:
-                stores[f"redis+shards, {args.shards} servers"] = open_store(
-                    "redis+shards://" + ",".join(f"127.0.0.1:{s.port}" for s in redis_servers))
-        results = run(args, device, stores, kv, dst, tokens, src_slots, dst_slots, dst_blocks, src_blocks, kv_bytes, ns)
-        if args.json:
-            Path(args.json).write_text(json.dumps({"machine": machine(), "device": name, **results}, indent=1))
-    finally:
-        for store in stores.values():
-            store.close()
-        shutil.rmtree(f"/dev/shm/kvstore-{shm_name}", ignore_errors=True)
-        for s in redis_servers:
-            s.close()
+    forward, model_name = llama(device, args.layers, args.vocab)
+    print(f"prefill: {model_name}", flush=True)
+    check = model_kv_round_trip(forward, device, lengths[0], args.layers, args.vocab)
+    print(f"the model's KV through shm://: {check}", flush=True)
+    results: dict[str, object] = {"machine": machine(), "device": name, "model": model_name, "kv_check": check,
+                                  "layers": args.layers, "by_tokens": {}}
+    lines = []
+    with redis_servers(max(1, args.shards)) as started:
+        for tokens in lengths:
+            ids = torch.randint(0, args.vocab, (1, tokens), device=device)
+            pre = timed(lambda ids=ids: forward(ids, False), args.reps, device)
+            prefix = Prefix(device, tokens, args.layers)
+            ceiling = copy_ceilings(prefix.nbytes, args.reps, device)["h2d_pinned"]
+            loads = run_loads(prefix, started, args, device)
+            results["by_tokens"][str(tokens)] = {"kv_bytes": prefix.nbytes, "prefill_s": pre, "copy_h2d_s": ceiling,  # type: ignore[index]
+                                                 "loads_s": loads}
+            lines.append(f"| {tokens} | prefill | {span(pre)} | - | - | 1.00 |")
+            lines.append(f"| {tokens} | copy_ pinned H2D of the KV | {span(ceiling)} | "
+                         f"{prefix.nbytes / med(ceiling) / 1e9:.1f} | 1.00 | {med(ceiling) / med(pre):.3f} |")
+            for label, ts in loads.items():
+                lines.append(f"| {tokens} | load from {label} | {span(ts)} | {prefix.nbytes / med(ts) / 1e9:.1f} | "
+                             f"{med(ceiling) / med(ts):.2f} | {med(ts) / med(pre):.3f} |")
+            del prefix
+    if not any(k.startswith("redis") for r in results["by_tokens"].values() for k in r["loads_s"]):  # type: ignore[attr-defined]
+        print("redis-server or redis-py is not installed here: the Redis rows are left out", flush=True)
+    print(f"\nseconds, median [min-max] of {args.reps}; GB/s of KV; x copy_: the load's rate over copy_'s; "
+          f"x prefill: the load's time over the prefill's (below 1: loading wins)\n")
+    print("| tokens | path | s | GB/s | x copy_ | x prefill |\n|---|---|---|---|---|---|")
+    print("\n".join(lines))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
 
 
-def run(args, device, stores, kv, dst, tokens, src_slots, dst_slots, dst_blocks, src_blocks, kv_bytes, ns) -> dict:
-    loads: dict[str, list[float]] = {}
-    for label, store in stores.items():
-        KVTransfer(PrefixCache(store, ns), kv, FlashLayout()).save_sequence(tokens, src_slots)
+def run_loads(prefix: Prefix, started: list, args: argparse.Namespace, device: torch.device) -> dict[str, list[float]]:
+    """Seconds of a load of ``prefix`` from each store (saved there first, untimed)."""
+    out: dict[str, list[float]] = {}
+
+    def measure(label: str, store: Store) -> None:
+        prefix.transfer(store, prefix.src).save_sequence(prefix.token_ids, prefix.src_slots)
         store.flush(60)
-        loader = KVTransfer(PrefixCache(store, ns), dst, FlashLayout())
-        for d in dst:
-            d.zero_()
+        loader = prefix.transfer(store, prefix.dst)
 
-        def load(loader=loader) -> None:
-            n, _ = loader.load_sequence(tokens, dst_slots)
-            assert n == args.tokens, n
-        loads[label] = timed(load, args.reps, device)
-        if not all(torch.equal(d[:, dst_blocks], s[:, src_blocks]) for d, s in zip(dst, kv)):
+        def load() -> None:
+            n, _ = loader.load_sequence(prefix.token_ids, prefix.dst_slots)
+            assert n == prefix.tokens, f"{label}: {n} of {prefix.tokens} tokens"
+        out[label] = timed(load, args.reps, device, prefix.clear)
+        if not prefix.loaded_right():
             raise SystemExit(f"{label}: the loaded KV differs from the saved KV")
-    layer = Layer(device)
-    x = torch.randn(args.tokens, HIDDEN, device=device, dtype=torch.bfloat16)
 
-    @torch.inference_mode()
-    def prefill() -> None:
-        h = x
-        for _ in range(args.layers):
-            h = layer(h)
-    pre = timed(prefill, args.reps, device)
-    flops = prefill_flops(args.tokens, args.layers)
-    med_pre = statistics.median(pre)
-    print(f"\n{args.tokens} tokens x {args.layers} layers: {kv_bytes / 1e6:.0f} MB of KV in chunks of {args.chunk} "
-          f"tokens; prefill {flops / 1e12:.1f} TFLOP; seconds, median [min-max] of {args.reps}\n")
-    print("| path | s | GB/s of KV | x prefill (below 1: loading wins) |\n|---|---|---|---|")
-    print(f"| prefill (model-shaped, random weights) | {med_pre:.4f} [{pre[0]:.4f}-{pre[-1]:.4f}] | - | 1.00 "
-          f"({flops / med_pre / 1e12:.1f} TFLOP/s) |")
-    out = {"tokens": args.tokens, "layers": args.layers, "kv_bytes": kv_bytes, "prefill_s": pre,
-           "prefill_flops": flops, "loads_s": loads}
-    for label, ts in loads.items():
-        m = statistics.median(ts)
-        print(f"| load from {label} | {m:.4f} [{ts[0]:.4f}-{ts[-1]:.4f}] | {kv_bytes / m / 1e9:.2f} | {m / med_pre:.2f} |")
+    with open_store(f"memory://?max_bytes={2 * prefix.nbytes}") as memory:
+        measure("memory://", memory)
+    with shm_store("breakeven", 2 * prefix.nbytes) as (shm, _):
+        measure("shm://", shm)
+    for n in sorted({1, args.shards}) if started else []:
+        if n < 1:
+            continue
+        for s in started[:n]:
+            s.flushall()
+        with open_store(shards_url(started[:n])) as store:
+            measure("one redis-server" if n == 1 else f"redis+shards://, {n} servers", store)
     return out
 
 
 if __name__ == "__main__":
+    np.random.seed(0)
     main()

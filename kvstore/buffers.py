@@ -20,6 +20,9 @@ Contract:
   freed on release (counted in ``stats()["oversize"]``).
 * ``borrow(buffer)`` wraps memory the caller already owns (an immutable ``bytes`` from a store)
   as a lease whose release does nothing, so code downstream handles one type.
+* ``Lease.pinned`` says whether a device copy reads the lease's memory directly (a pool buffer
+  registered with the accelerator, ``kvstore.pinned``; a store's registered memory, borrowed):
+  a loader that moves records to a GPU takes them from there without a copy on the host.
 * Thread-safe.
 
 ``Pieces`` is one value made of several buffers (a record's header beside its payload) that
@@ -29,14 +32,22 @@ ended by a trailer computed from the bytes before it (a record's checksum) as th
 A self-checked value (every kvstore record) ends with the xxh3-64 of all its bytes before those
 8. A store that receives one into a lease may hash it as it arrives (``ArrivalDigest``), while
 each piece is in the CPU's cache, and leave the digest in ``Lease.digest``: the reader then
-compares it with the value's last 8 bytes instead of reading the whole value once more.
+compares it with the value's last 8 bytes instead of reading the whole value once more. A store
+whose values are already in memory (a mapping) may instead start hashing one on ``workers()``
+and hand the lease out at once (``Lease.hash_later``): reading ``digest`` then waits for it, so a
+reader can start moving the bytes (a DMA) while they are hashed.
+
+``workers()`` is the process's pool of threads for work that releases the GIL (hashing, large
+copies, writes of local files), sized to the host. Its tasks never wait for one another.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -44,11 +55,12 @@ import numpy as np
 import xxhash
 
 from kvstore.errors import ConfigError
+from kvstore.pinned import HostPinner, cuda_pinner, page_aligned_empty
 from kvstore.types import Buffer, array_view
 
 __all__ = ["ArrivalDigest", "BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool",
            "configure_default_pool", "DEFAULT_POOL_BYTES", "SELF_CHECK_BYTES", "STREAM_SLICE", "byte_view",
-           "copy_bytes", "footprint", "io_batches", "IOV_MAX", "lease_or_fresh", "write_all"]
+           "copy_bytes", "footprint", "io_batches", "IOV_MAX", "lease_or_fresh", "write_all", "workers", "thread_pool", "self_digest"]
 
 #: Default budget of the process-wide pool (``configure_default_pool`` changes it).
 DEFAULT_POOL_BYTES = 1 << 30
@@ -69,17 +81,41 @@ IOV_MAX = 512
 class Lease:
     """``nbytes`` of a buffer: ``view`` is a writable, byte-addressed memoryview of exactly that size."""
 
-    __slots__ = ("_buf", "_pool", "_refs", "digest", "nbytes", "view")
+    __slots__ = ("_buf", "_digest", "_hashing", "_pool", "_refs", "nbytes", "pinned", "view")
 
-    def __init__(self, pool: BufferPool | None, buf: Any, nbytes: int) -> None:
+    def __init__(self, pool: BufferPool | None, buf: Any, nbytes: int, *, pinned: bool = False) -> None:
         self._pool = pool
         self._buf = buf
         self._refs = 1
         self.nbytes = nbytes
         self.view: memoryview = byte_view(buf)[:nbytes]
-        #: Set by a store that hashed the value as it arrived: the xxh3-64 of every byte of
-        #: ``view`` but the last ``SELF_CHECK_BYTES`` (``ArrivalDigest``); None otherwise.
-        self.digest: bytes | None = None
+        #: Whether a device copy reads this memory directly (registered with the accelerator).
+        self.pinned = pinned
+        self._digest: bytes | None = None
+        self._hashing: Future[bytes | None] | None = None
+
+    @property
+    def digest(self) -> bytes | None:
+        """Set by a store that hashed the value as it arrived, or is hashing it (``hash_later``:
+        reading waits for it): the xxh3-64 of every byte of ``view`` but the last
+        ``SELF_CHECK_BYTES`` (``ArrivalDigest``); None otherwise."""
+        hashing = self._hashing
+        if hashing is not None:
+            self._digest, self._hashing = hashing.result(), None
+        return self._digest
+
+    @digest.setter
+    def digest(self, value: bytes | None) -> None:
+        self._digest, self._hashing = value, None
+
+    @property
+    def digesting(self) -> bool:
+        """Whether ``digest`` is or will be known (set, or being hashed): a reader need not hash."""
+        return self._digest is not None or self._hashing is not None
+
+    def hash_later(self, hashing: Future[bytes | None]) -> None:
+        """``digest`` is what ``hashing`` (``self_digest`` of ``view`` on ``workers()``) returns."""
+        self._digest, self._hashing = None, hashing
 
     @property
     def array(self) -> np.ndarray:
@@ -114,9 +150,43 @@ class Lease:
         return self.nbytes
 
 
-def borrow(buffer: Buffer) -> Lease:
-    """``buffer`` (owned elsewhere, e.g. a value a store returned) as a lease whose release does nothing."""
-    return Lease(None, buffer, memoryview(buffer).nbytes)
+def borrow(buffer: Buffer, *, pinned: bool = False) -> Lease:
+    """``buffer`` (owned elsewhere, e.g. a value a store returned) as a lease whose release does
+    nothing; ``pinned``: its memory is registered with the accelerator (``Lease.pinned``)."""
+    return Lease(None, buffer, memoryview(buffer).nbytes, pinned=pinned)
+
+
+def self_digest(view: memoryview) -> bytes | None:
+    """``Lease.digest`` of a whole value: the xxh3-64 of all but its last ``SELF_CHECK_BYTES``
+    (None for a value too short to be self-checked). Releases the GIL."""
+    return xxhash.xxh3_64_digest(view[:len(view) - SELF_CHECK_BYTES]) if len(view) >= SELF_CHECK_BYTES else None
+
+
+_pools: dict[str, ThreadPoolExecutor] = {}
+_pools_pid = -1
+_pools_lock = threading.Lock()
+
+
+def thread_pool(name: str) -> ThreadPoolExecutor:
+    """The process's pool of threads called ``name``, for work that releases the GIL: one per
+    core up to 16, at least 2; a forked child gets its own. A task must never wait for another
+    task of its own pool (it could wait for itself): work that waits for ``workers()`` runs on
+    a pool of another name (``kvstore.prefix_cache``'s verifiers)."""
+    global _pools_pid
+    with _pools_lock:
+        if _pools_pid != os.getpid():
+            _pools.clear()  # a fork's copy: the parent's threads are not here
+            _pools_pid = os.getpid()
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 2)),
+                                                     thread_name_prefix=f"kvstore-{name}")
+        return pool
+
+
+def workers() -> ThreadPoolExecutor:
+    """``thread_pool("worker")``: hashing, large copies, local file writes. Its tasks wait for nothing."""
+    return thread_pool("worker")
 
 
 #: Copies at least this large go through numpy, which releases the GIL while it copies
@@ -341,19 +411,38 @@ class _Stats:
     oversize: int = 0
 
 
-class BufferPool:
-    """Resident buffers up to ``max_bytes`` in total; see the module docstring."""
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
-    def __init__(self, max_bytes: int = DEFAULT_POOL_BYTES, *, pin: bool = False) -> None:
+
+class BufferPool:
+    """Resident buffers up to ``max_bytes`` in total; see the module docstring.
+
+    ``pin``: register every buffer with an accelerator (``Lease.pinned``): a ``HostPinner``, or
+    True for CUDA's (``kvstore.pinned.cuda_pinner``: none where there is no CUDA)."""
+
+    def __init__(self, max_bytes: int = DEFAULT_POOL_BYTES, *, pin: bool | HostPinner = False) -> None:
         if type(max_bytes) is not int or max_bytes < _ALIGN:
             raise ConfigError(f"buffer pool max_bytes={max_bytes!r} must be an integer of at least {_ALIGN} bytes")
         self.max_bytes = max_bytes
         self.pin = bool(pin)
+        self._pinner: HostPinner | None = cuda_pinner() if pin is True else (pin or None)
+        # CUDA without its runtime library in reach (no registration): torch's pinned allocator.
+        self._torch_pin = pin is True and self._pinner is None and _cuda_available()
         self._lock = threading.Condition()
-        self._free: list[Any] = []  # buffers not leased, any size
+        self._free: list[tuple[Any, bool]] = []  # buffers not leased, any size, and whether each is pinned
         self._held = 0  # bytes of every buffer the pool owns (free and leased)
         self._leased = 0
         self._stats = _Stats()
+
+    @property
+    def pinner(self) -> HostPinner | None:
+        """What registers this pool's buffers with an accelerator (None: they are not)."""
+        return self._pinner
 
     # -- leasing ------------------------------------------------------------------------------------
     def lease(self, nbytes: int, *, wait: float = 0.0) -> Lease | None:
@@ -366,13 +455,14 @@ class BufferPool:
             self._stats.leases += 1
             if size > self.max_bytes:
                 self._stats.oversize += 1
-                return Lease(self, self._allocate(size), nbytes)
+                buf, pinned = self._allocate(size)
+                return Lease(self, buf, nbytes, pinned=pinned)
             while True:
-                buf = self._take(size)
-                if buf is not None:
+                free = self._take(size)
+                if free is not None:
                     break
                 if self._make_room(size):
-                    buf = self._allocate(size)
+                    free = self._allocate(size)
                     self._held += size
                     self._stats.allocations += 1
                     break
@@ -381,15 +471,16 @@ class BufferPool:
                     self._stats.misses += 1
                     return None
                 self._lock.wait(left)
+            buf, pinned = free
             self._leased += len(buf)
-            return Lease(self, buf, nbytes)
+            return Lease(self, buf, nbytes, pinned=pinned)
 
-    def _take(self, size: int) -> Any:
+    def _take(self, size: int) -> tuple[Any, bool] | None:
         """The smallest free buffer of at least ``size`` bytes but not wastefully larger, or None."""
         best = None
-        for i, buf in enumerate(self._free):
+        for i, (buf, _) in enumerate(self._free):
             n = len(buf)
-            if size <= n <= 2 * size and (best is None or n < len(self._free[best])):
+            if size <= n <= 2 * size and (best is None or n < len(self._free[best][0])):
                 best = i
         return None if best is None else self._free.pop(best)
 
@@ -397,21 +488,25 @@ class BufferPool:
         """Drop free buffers (largest first) until ``size`` more bytes fit in the budget."""
         if self._held + size <= self.max_bytes:
             return True
-        self._free.sort(key=len)
+        self._free.sort(key=lambda free: len(free[0]))
         while self._free and self._held + size > self.max_bytes:
-            self._held -= len(self._free.pop())
+            self._held -= len(self._free.pop()[0])
         return self._held + size <= self.max_bytes
 
-    def _allocate(self, size: int) -> Any:
-        if self.pin:
-            import torch  # only pinned pools need torch (CUDA builds)
+    def _allocate(self, size: int) -> tuple[Any, bool]:
+        """A new buffer, its pages faulted in, and whether it is pinned (registered until freed)."""
+        if self._torch_pin:
+            import torch
 
-            t = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-            buf: Any = t.numpy()
-        else:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy()
+            buf[::_PAGE] = 0
+            return buf, True
+        if self._pinner is None:
             buf = np.empty(size, dtype=np.uint8)
-        buf[::_PAGE] = 0  # fault every page in now, once, not on the hot path
-        return buf
+            buf[::_PAGE] = 0  # fault every page in now, once, not on the hot path
+            return buf, False
+        buf = page_aligned_empty(size)  # pages of its own: a registration pins whole pages
+        return buf, self._pinner.pin(buf)
 
     def _release(self, lease: Lease) -> None:
         with self._lock:
@@ -425,7 +520,7 @@ class BufferPool:
             if size > self.max_bytes:  # an oversize buffer: freed, never pooled
                 return
             self._leased -= size
-            self._free.append(buf)
+            self._free.append((buf, lease.pinned))
             self._lock.notify_all()
 
     # -- introspection --------------------------------------------------------------------------------
@@ -438,7 +533,7 @@ class BufferPool:
     def clear(self) -> None:
         """Drop every free buffer (leased ones return to the pool later)."""
         with self._lock:
-            self._held -= sum(len(b) for b in self._free)
+            self._held -= sum(len(b) for b, _ in self._free)
             self._free.clear()
 
 
@@ -455,7 +550,7 @@ def default_pool() -> BufferPool:
         return _default
 
 
-def configure_default_pool(max_bytes: int, *, pin: bool = False) -> BufferPool:
+def configure_default_pool(max_bytes: int, *, pin: bool | HostPinner = False) -> BufferPool:
     """Replace the process-wide pool (at start-up, before the data path runs)."""
     global _default
     pool = BufferPool(max_bytes, pin=pin)

@@ -11,7 +11,11 @@ bytes to place (``load``'s sink). Its promises:
   receives record i+1 while record i is verified and placed), verifies each record (namespace,
   key, token ids, dtype, shapes, hidden state, checksum and, with a deployment key, its tag)
   in place before handing it to the sink, in prefix order, and stops at the first chunk that
-  is missing or fails. The record handed to the sink is valid only during that call. With
+  is missing or fails. The record handed to the sink is valid only during that call.
+  ``load_staged`` is the same load for a reader that moves records elsewhere first (a GPU's
+  memory): each record's KV goes to its ``Staging`` as soon as its header passed, while its
+  checksum and tag are verified on a pool of threads; only the verified leading chunks are
+  placed, in one call (no byte of a failed record is ever placed). With
   ``land`` the store may land each record's KV in the caller's destination as it arrives,
   after its header passed every check and before its checksum and tag are known (``load``). A failed
   record is counted, deleted from the store (best effort) and becomes a miss; a store outage
@@ -58,22 +62,26 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from kvstore.buffers import BufferPool, Lease, Pieces, default_pool
+from kvstore.buffers import BufferPool, Lease, Pieces, default_pool, lease_or_fresh, thread_pool
 from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
 from kvstore.keys import ChunkKey, InputSpan, Namespace, TokenIds, chunk_keys, prefix_keys, tokens_to_array
 from kvstore.metrics import catalog as metrics
 from kvstore.record import (
     DTYPES,
+    CheckedRecord,
     Landing,
     Record,
     RecordHeader,
+    check_record,
     decode_record,
     encode_record_pieces,
     land_record,
     verify_landed,
+    verify_record,
 )
 from kvstore.record.auth import RecordAuth, TagKeys
 from kvstore.record.codecs import resolve_chain
@@ -83,7 +91,7 @@ from kvstore.types import Buffer
 if TYPE_CHECKING:
     from kvstore.events import EventSink
 
-__all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "stored_by_tier"]
+__all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "Staging", "stored_by_tier"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +126,39 @@ class LoadResult:
     hidden: bytes | None = None
     #: Why loading stopped: "hit" (every chunk placed), "miss", "corrupt" or "unavailable".
     reason: str = "hit"
+
+
+class Staging(Protocol):
+    """Where ``PrefixCache.load_staged`` moves each record's KV before its verdict (a device's
+    staging memory: never the destination), and how it places the verified prefix."""
+
+    def stage(self, index: int, chunk: ChunkKey, kv: memoryview, lease: Lease, *, decoded: bool = False) -> None:
+        """Start moving chunk ``index``'s KV bytes ``kv`` (uncompressed; a view of ``lease``,
+        whose frame, header and expectations passed, its checksum and tag not yet known; with
+        ``decoded``, a record decompressed on the host, verified already). Indexes come in
+        order from 0. The caller releases ``lease`` after ``place`` returns: a staging that
+        reads it later retains it."""
+
+    def place(self, count: int) -> None:
+        """The first ``count`` staged chunks are verified: place them, and nothing staged after
+        them (``count`` may be 0). Called once, after the last ``stage``."""
+
+
+@dataclass
+class _Staged:
+    """A record handed to a ``Staging``, waiting for its verdict."""
+
+    chunk: ChunkKey
+    lease: Lease
+    checked: CheckedRecord
+    verdict: Future[None] | None  # None: verified already
+
+
+def _verifiers() -> ThreadPoolExecutor:
+    """Threads that verify records for ``load_staged``: a task may wait for a digest a store is
+    computing on ``kvstore.buffers.workers()``, so it runs on a pool of its own (never
+    waiting on its own pool's tasks)."""
+    return thread_pool("verify")
 
 
 @dataclass(frozen=True)
@@ -328,6 +369,150 @@ class PrefixCache:
             stream.close()
         return placed
 
+    def load_staged(
+        self,
+        tokens: TokenIds,
+        keys: Sequence[ChunkKey],
+        staging: Staging,
+        *,
+        shapes: Callable[[ChunkKey], Sequence[Sequence[int]]] | None = None,
+        namespace: Namespace | None = None,
+        hidden_dtype: str | None = None,
+        hidden_shape: Sequence[int] | None = None,
+        pool: BufferPool | None = None,
+        before_place: Callable[[ChunkKey, Record], None] | None = None,
+    ) -> LoadResult:
+        """``load`` for a reader that moves each record elsewhere before placing it (a GPU).
+
+        Each record is checked (frame, header, the reader's expectations: ``check_record``) as
+        it arrives and its KV handed to ``staging.stage`` at once; its checksum and tag are
+        verified meanwhile on a pool of threads (against the digest its store computed, or
+        hashing it there). Once every record is in and judged, ``staging.place(n)`` places the
+        ``n`` leading chunks that passed: no byte of a record that failed, or came after one, is
+        ever placed. Expectations, counting, healing, discarding, key spaces and the result are
+        ``load``'s. ``pool``: where records are received (default: the cache's; a GPU reader
+        gives a pinned one, so a DMA reads them where they arrived). ``before_place(chunk,
+        record)`` runs for each verified chunk, in order, before it counts (``record.kv``: its
+        KV bytes as received); an exception from it ends the load there (the chunks before it
+        are placed) and propagates. ``staging.place`` is called in every case.
+        """
+        ns = self.in_space(namespace or self.namespace)
+        result = LoadResult()
+        expect = _Expect(ns, shapes, hidden_dtype, hidden_shape, self._tag_keys(ns))
+        start = time.perf_counter()
+        arr = tokens_to_array(tokens)
+        staged: list[_Staged] = []
+        try:
+            if keys:
+                self._stage(keys, arr, expect, staging, staged, result, pool or self.pool, before_place)
+            older = self.auth.previous_key_spaces() if self.auth is not None and keys and keys[0].previous else []
+            for j, space in enumerate(older[:len(keys[0].previous) if keys else 0]):
+                placed = result.num_chunks
+                if result.reason != "miss" or placed >= len(keys):
+                    break
+                rest = keys[placed:]
+                result.reason = "hit"
+                more = self._stage([k.previous[j] for k in rest], arr, replace(expect, namespace=ns.with_key_space(space)),
+                                   staging, staged, result, pool or self.pool, before_place)
+                self._remember(rest[:more], heal=False)
+        finally:
+            try:
+                staging.place(result.num_chunks)
+            finally:
+                for record in staged:
+                    record.lease.release()
+        metrics.HITS.inc(result.num_chunks)
+        metrics.MISSES.inc(len(keys) - result.num_chunks)
+        if self.count_tokens:
+            metrics.TOKENS_LOADED.inc(result.num_tokens)
+        metrics.LATENCY.observe(time.perf_counter() - start, op="load")
+        return result
+
+    def _stage(self, keys: Sequence[ChunkKey], arr: TokenIds, expect: _Expect, staging: Staging,
+               staged: list[_Staged], result: LoadResult, pool: BufferPool,
+               before_place: Callable[[ChunkKey, Record], None] | None) -> int:
+        """Receive ``keys`` in one batch, stage each record that passes its header checks (up to
+        the first that does not), then judge them in order; how many leading ones passed
+        (``result`` updated for each as it passes, ``result.reason`` says why it stopped)."""
+        first = len(staged)
+        stream = self.store.get_into([k.key for k in keys], pool)
+        try:
+            for chunk, lease in zip(keys, stream):
+                if lease is None:
+                    result.reason = "miss"
+                    break
+                try:
+                    record = self._stage_one(chunk, lease, arr, expect, staging, len(staged), pool)
+                except CorruptRecordError as exc:
+                    lease.release()
+                    self._rejected(chunk, exc, result)
+                    break
+                except BaseException:
+                    lease.release()
+                    raise
+                staged.append(record)
+        except KVStoreError as exc:  # a store that is not tiered fails as a whole: a miss
+            log.debug("load failed: %s", exc)
+            result.reason = "unavailable"
+        finally:
+            stream.close()
+        ours = staged[first:]
+        try:
+            for n, record in enumerate(ours):
+                try:
+                    if record.verdict is not None:
+                        record.verdict.result()
+                except CorruptRecordError as exc:
+                    self._rejected(record.chunk, exc, result)
+                    return n
+                if before_place is not None:
+                    hidden = record.checked.hidden
+                    view = record.lease.view
+                    before_place(record.chunk, Record(record.checked.header, view[record.checked.body],
+                                                      None if hidden is None else view[hidden]))
+                self._placed(record.chunk, record.checked, record.lease.view, result)
+            return len(ours)
+        finally:
+            # No verifier may still read a lease once the caller releases it.
+            pending = [r.verdict for r in ours if r.verdict is not None and not r.verdict.cancel()]
+            wait(pending)
+
+    def _stage_one(self, chunk: ChunkKey, lease: Lease, arr: TokenIds, expect: _Expect, staging: Staging,
+                   index: int, pool: BufferPool) -> _Staged:
+        """Check one record's header, hand its KV to ``staging`` and start its verdict."""
+        checked = check_record(
+            lease.view, namespace=expect.namespace, chunk=chunk, tokens=arr[chunk.start:chunk.end],
+            dtype=expect.namespace.kv_dtype, shapes=None if expect.shapes is None else expect.shapes(chunk),
+            hidden_dtype=expect.hidden_dtype, hidden_shape=expect.hidden_shape)
+        if not checked.header.codecs:
+            staging.stage(index, chunk, lease.view[checked.body], lease)
+            # The lease's digest, when its store computes one, is read in the verifier's thread.
+            verdict = _verifiers().submit(_verify_digest, lease, checked, expect.auth)
+            return _Staged(chunk, lease, checked, verdict)
+        # Compressed (a slow tier's codec): decoded on the host, verified first, then staged.
+        out = lease_or_fresh(pool, checked.header.raw_len, 0.05)
+        try:
+            decode_record(lease.view, out=out.view, auth=expect.auth, digest=lease.digest)
+            staging.stage(index, chunk, out.view, out, decoded=True)
+        finally:
+            out.release()
+        return _Staged(chunk, lease, checked, None)
+
+    def _rejected(self, chunk: ChunkKey, exc: CorruptRecordError, result: LoadResult) -> None:
+        """A record that failed: counted, logged, remembered for healing, discarded; a miss."""
+        metrics.CORRUPT.inc(reason=exc.reason)
+        log.warning("discarding stored record %s: %s", chunk.key, exc)
+        self._remember([chunk], heal=True)
+        self._discard(chunk.key)
+        result.reason = "corrupt"
+
+    def _placed(self, chunk: ChunkKey, checked: CheckedRecord, view: memoryview, result: LoadResult) -> None:
+        result.num_chunks += 1
+        result.num_tokens = chunk.end
+        result.last_header = checked.header
+        hidden = checked.hidden
+        result.hidden = None if hidden is None else bytes(view[hidden])
+
     def _tag_keys(self, ns: Namespace) -> TagKeys | None:
         return self.auth.for_salt(ns.cache_salt) if self.auth is not None else None
 
@@ -343,11 +528,7 @@ class PrefixCache:
                 digest=lease.digest,
             )
         except CorruptRecordError as exc:
-            metrics.CORRUPT.inc(reason=exc.reason)
-            log.warning("discarding stored record %s: %s", chunk.key, exc)
-            self._remember([chunk], heal=True)
-            self._discard(chunk.key)
-            result.reason = "corrupt"
+            self._rejected(chunk, exc, result)
             return False
         sink(chunk, record)
         result.num_chunks += 1
@@ -502,3 +683,9 @@ class PrefixCache:
             self.store.delete(key)
         except KVStoreError:
             pass
+
+
+def _verify_digest(lease: Lease, checked: CheckedRecord, auth: TagKeys | None) -> None:
+    """``verify_record`` of a staged lease, with the digest its store computed (read here: it
+    may still be hashing on ``workers()``), or hashing it here."""
+    verify_record(lease.view, checked, auth=auth, digest=lease.digest)

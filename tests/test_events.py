@@ -1,7 +1,7 @@
 """KV events for routers (kvstore.events), read with vLLM's own decoder classes.
 
 Subscribers decode with ``vllm.distributed.kv_events.KVEventBatch`` (msgspec): vLLM 0.32 in
-this process, vLLM 0.33 in a subprocess of its own venv (``/work/.venv-vllm033``, skipped where
+this process, vLLM 0.33 in a subprocess of its own venv (``$VLLM033_VENV``, default ``.venv-vllm033`` in the checkout, skipped where
 absent). vLLM up to 0.23 encoded events positionally (``array_like``); no installed vLLM does,
 so that form is read with vLLM's own field list in an ``array_like`` struct (``_legacy_decoder``).
 Removals come from real evictions: a file store's LRU, a memory store's LRU and a
@@ -41,7 +41,7 @@ from kvstore.stores.redis import RedisStore
 from kvstore.stores.tiered import TieredStore
 
 NS = Namespace(model="events-test", kv_dtype="float16", layout="test", block_size=16, chunk_tokens=32)
-VLLM033 = Path("/work/.venv-vllm033/bin/python")
+VLLM033 = Path(os.environ.get("VLLM033_VENV", Path(__file__).resolve().parents[1] / ".venv-vllm033")) / "bin" / "python"
 
 
 def vllm_batch_decoder() -> Any:
@@ -161,7 +161,7 @@ def test_array_form_is_the_positional_one():
         vllm_batch_decoder().decode(encode_batch(2.0, _sample_events(), 0, encoding="array"))
 
 
-@pytest.mark.skipif(not VLLM033.exists(), reason="no vLLM 0.33 venv at /work/.venv-vllm033")
+@pytest.mark.skipif(not VLLM033.exists(), reason=f"no vLLM 0.33 venv at {VLLM033.parent.parent} (scripts/vllm033_check builds it)")
 def test_map_form_decodes_with_vllm_033(tmp_path):
     path = tmp_path / "batch.bin"
     path.write_bytes(encode_batch(3.0, _sample_events(), 1, encoding="map"))

@@ -105,3 +105,93 @@ def test_agent_api_on_the_reference_engine_on_cuda_gives_identical_output(kv_lay
     second = ModelRunner(cfg, KVStoreAgent(AgentConfig(**options), store=store)).generate([prompt], 8)
     assert first.tokens == baseline.tokens == second.tokens
     assert second.tokens_loaded >= 128
+
+
+# -- the device path (kvstore.paged.device) on real CUDA ----------------------------------------
+def _flash_ns(model: str, chunk: int = 64) -> Namespace:
+    return Namespace(model=model, model_fingerprint="f", kv_dtype="bfloat16", layout="flash-2bnhd", block_size=N,
+                     chunk_tokens=chunk, layer_end=L)
+
+
+@pytest.fixture(params=["memory", "shm", "redis"])
+def gpu_store(request, tmp_path):
+    """The stores a GPU host loads from (Redis where redis-server and redis-py are installed)."""
+    import shutil
+    import uuid
+
+    from kvstore.stores import open_store
+
+    if request.param == "redis":
+        redis_server = request.getfixturevalue("redis_server")
+        redis_server.flushall()
+        url = redis_server.url
+    elif request.param == "shm":
+        name = f"gpu-{uuid.uuid4().hex[:8]}"
+        url = f"shm://{name}?max_bytes=256MiB"
+        request.addfinalizer(lambda: shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True))
+    else:
+        url = "memory://?max_bytes=256MiB"
+    with open_store(url) as store:
+        yield store
+
+
+def test_every_store_loads_onto_the_gpu_with_no_host_copy(gpu_store):
+    """Records DMA'd from where they lie: memory://'s registered arena, registered shm://
+    mappings, Redis records received into the pinned pool; none staged through pageable memory."""
+    from kvstore.pinned import cuda_pinner
+
+    pinner = cuda_pinner()
+    assert pinner is not None, "the CUDA runtime torch uses was not found: nothing can be registered"
+    src, dst = _caches("flash-2bnhd", 11), _caches("flash-2bnhd", 12)
+    tokens, slots = list(range(5000, 5512)), slots_from_block_table(list(range(32)), N, 512, device="cuda")
+    dst_slots = slots_from_block_table(list(range(32, 64)), N, 512, device="cuda")
+    saver = KVTransfer(PrefixCache(gpu_store, _flash_ns("gpu-pinned")), src, FlashLayout())
+    assert saver.save_sequence(tokens, slots) == 8
+    assert dict(saver.copies.stats) == {("save", "pinned"): 8}
+    loader = KVTransfer(PrefixCache(gpu_store, _flash_ns("gpu-pinned")), dst, FlashLayout())
+    for _ in range(2):
+        assert loader.load_sequence(tokens, dst_slots)[0] == 512
+    assert dict(loader.copies.stats) == {("load", "pinned"): 16}
+    assert all(torch.equal(d[:, 32:64], s[:, :32]) for d, s in zip(dst, src))  # on the compute stream, no sync
+    assert pinner.stats()["failed"] == 0
+
+
+def test_saves_wait_for_queued_compute_on_the_blocks_they_read():
+    store = MemoryStore()
+    src = _caches("flash-2bnhd", 13)
+    tokens, slots = list(range(64)), slots_from_block_table(list(range(4)), N, 64, device="cuda")
+    big = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        big = big @ big / 64
+    for c in src:
+        c[:, :4].fill_(3)  # queued behind the matmuls, before the save
+    KVTransfer(PrefixCache(store, _flash_ns("gpu-save-order")), src, FlashLayout()).save_sequence(tokens, slots)
+    dst = [torch.zeros_like(c) for c in src]
+    KVTransfer(PrefixCache(store, _flash_ns("gpu-save-order")), dst, FlashLayout()).load_sequence(tokens, slots)
+    assert all(bool((d[:, :4] == 3).all()) for d in dst)
+
+
+def test_shm_registrations_end_when_the_mappings_go():
+    import gc
+    import shutil
+    import uuid
+
+    from kvstore.pinned import cuda_pinner
+    from kvstore.stores import open_store
+
+    pinner = cuda_pinner()
+    assert pinner is not None
+    name = f"gpu-reg-{uuid.uuid4().hex[:8]}"
+    before = pinner.stats()
+    try:
+        with open_store(f"shm://{name}?max_bytes=256MiB") as store:
+            src, dst = _caches("flash-2bnhd", 14), _caches("flash-2bnhd", 15)
+            tokens, slots = list(range(256)), slots_from_block_table(list(range(16)), N, 256, device="cuda")
+            KVTransfer(PrefixCache(store, _flash_ns("gpu-reg")), src, FlashLayout()).save_sequence(tokens, slots)
+            KVTransfer(PrefixCache(store, _flash_ns("gpu-reg")), dst, FlashLayout()).load_sequence(tokens, slots)
+            assert pinner.stats()["pinned"] - before["pinned"] >= 4
+        gc.collect()
+        after = pinner.stats()
+        assert after["unpinned"] - before["unpinned"] >= 4 and after["failed"] == before["failed"]
+    finally:
+        shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True)

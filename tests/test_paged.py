@@ -218,25 +218,24 @@ def test_transfer_loads_from_record_bytes_with_skip(case, skip):
 
 
 @pytest.mark.parametrize("case", range(5))
-@pytest.mark.parametrize("skip", [0, 4, 5])
-def test_the_accelerator_path_scatters_a_records_bytes_from_device_staging(case, skip):
-    """What a CUDA load does (``_scatter_bytes``: the record's bytes in one copy to device
-    staging, at any alignment, then the layout's scatter there), run on the CPU."""
+@pytest.mark.parametrize("skip", [0, 4, 8])
+def test_the_accelerator_path_loads_what_the_host_path_saved(case, skip):
+    """The device path (``DeviceCopies``: records DMA'd to staging, one scatter pass), run on the
+    CPU, loads what the host path saved into other blocks; slots before ``skip`` are untouched."""
     layout, cache = _caches(torch.bfloat16)[case]
     src = [cache, cache + 1]
     xfer = _transfer(layout, src)
-    slots = slots_from_block_table([9, 2, 5, 11], N, 16)
-    staging = torch.empty(xfer._staging_shape(8), dtype=cache.dtype)
-    xfer._gather(slots[8:], staging)  # tokens 8..15 of every layer, as a record carries them
-    payload = bytearray(3) + bytearray(staging.view(-1).view(torch.uint8).numpy().tobytes())
+    tokens, slots = list(range(100, 116)), slots_from_block_table([9, 2, 5, 11], N, 16)
+    assert xfer.save_sequence(tokens, slots) == 2
     fresh = [torch.zeros_like(c) for c in src]
     dst = slots_from_block_table([4, 6, 8, 10], N, 16)
-    KVTransfer(xfer.cache, fresh, layout)._scatter_bytes(dst[8:], memoryview(payload)[3:], skip)
+    loader = KVTransfer(xfer.cache, fresh, layout, device_path=True)
+    assert loader.load_sequence(tokens, dst, skip_tokens=skip)[0] == 16
     for layer_src, got in zip(src, fresh):
-        for i in range(8, 16):
+        for i in range(16):
             expect = _ref_token(layout, layer_src, int(slots[i]))
             actual = _ref_token(layout, got, int(dst[i]))
-            assert torch.equal(actual, expect if i - 8 >= skip else torch.zeros_like(expect))
+            assert torch.equal(actual, expect if i >= skip else torch.zeros_like(expect))
 
 
 def test_transfer_layers_with_different_strides():

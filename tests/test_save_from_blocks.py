@@ -18,6 +18,7 @@ from test_landing import SAVED, TOKENS, N, _cache, _same, _xfer, shard_servers  
 
 from kvstore.buffers import Pieces
 from kvstore.paged import KVTransfer, slots_from_block_table
+from kvstore.paged.host import HostCopies
 from kvstore.record import RecordAuth, decode_record
 from kvstore.stores import TieredStore, open_store
 from kvstore.stores.memory import MemoryStore
@@ -25,15 +26,15 @@ from kvstore.stores.redis import hooks
 
 
 def _no_gather(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count ``KVTransfer._gather`` calls (they still run)."""
+    """Count ``HostCopies._gather`` calls (they still run)."""
     calls: list[int] = []
-    real = KVTransfer._gather
+    real = HostCopies._gather
 
     def counted(self, slots, host):
         calls.append(slots.numel())
         return real(self, slots, host)
 
-    monkeypatch.setattr(KVTransfer, "_gather", counted)
+    monkeypatch.setattr(HostCopies, "_gather", counted)
     return calls
 
 

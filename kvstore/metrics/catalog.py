@@ -25,6 +25,7 @@ __all__ = [
     "LOAD_DECISIONS",
     "BYTES_READ",
     "BYTES_WRITTEN",
+    "DEVICE_COPIES",
     "ERRORS",
     "TIER_STATE",
     "TIER_TRIPS",
@@ -73,6 +74,11 @@ LATENCY = REGISTRY.histogram("kvstore_op_seconds", "Latency of cache operations.
 # -- tiers: bytes, errors, the circuit breaker, the write queues ----------------------------------
 BYTES_READ = REGISTRY.counter("kvstore_bytes_read_total", "Record bytes read, by tier.", ("tier",))
 BYTES_WRITTEN = REGISTRY.counter("kvstore_bytes_written_total", "Record bytes written, by tier.", ("tier",))
+DEVICE_COPIES = REGISTRY.counter("kvstore_device_copies_total",
+                                 "Records copied between host memory and an accelerator (kvstore.paged.device), by "
+                                 "op (load, save) and the host memory's kind: pinned (one DMA), pageable (staged by "
+                                 "the driver: unregistered memory), decoded (decompressed on the host first).",
+                                 ("op", "memory"))
 ERRORS = REGISTRY.counter("kvstore_errors_total", "Store errors by tier and kind.", ("tier", "kind"))
 TIER_STATE = REGISTRY.gauge("kvstore_tier_state", "Circuit breaker state of a tier: 0 closed, 1 half-open, 2 open.",
                             ("tier",))

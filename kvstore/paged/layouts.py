@@ -6,6 +6,9 @@ tensor of ``chunk_shape(cache, n)``:
 
 * ``gather(cache, slots, out)``: the KV of ``slots`` into ``out`` (cache unchanged);
 * ``scatter(cache, slots, src)``: ``src`` into the cache at ``slots`` (the inverse);
+* ``gather_chunks`` / ``scatter_chunks``: the same for ``k`` chunks of ``n`` tokens at once, in
+  a staging of ``[k, *chunk_shape(n)]`` (one record's layer after another's, as the device path
+  moves whole records): one pass over the cache per layer, whatever ``k``;
 * ``name``: recorded in the ``Namespace`` (``layout``), so differently laid-out bytes never
   share a key; ``granularity``: ``"token"`` (any slot list) or ``"block"`` (whole blocks only).
 
@@ -74,6 +77,32 @@ class PagedLayout(ABC):
 
     def check_slots(self, cache: torch.Tensor, num_tokens: int) -> None:
         """Raise ``ValueError`` if ``num_tokens`` slots cannot be copied by this layout."""
+
+    def token_axis(self, cache: torch.Tensor) -> int:
+        """The axis of ``chunk_shape`` that grows with the number of tokens (tokens, or blocks)."""
+        n = self.block_size(cache)
+        one, two = self.chunk_shape(cache, n), self.chunk_shape(cache, 2 * n)
+        return next(i for i, (a, b) in enumerate(zip(one, two)) if a != b)
+
+    def gather_chunks(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        """``gather`` of ``k = out.shape[0]`` chunks of ``n = len(slots) // k`` tokens into ``out``
+        (contiguous, ``[k, *chunk_shape(n)]``): ``out[i]`` gets the KV of ``slots[i*n:(i+1)*n]``.
+        The default gathers into a temporary of ``chunk_shape(k*n)`` and rearranges it."""
+        k, axis, shape = out.shape[0], self.token_axis(cache), self.chunk_shape(cache, slots.numel())
+        if axis == 0 or k == 1:  # out is that shape already, in that order
+            self.gather(cache, slots, out.view(shape))
+            return
+        merged = torch.empty(shape, dtype=out.dtype, device=out.device)
+        self.gather(cache, slots, merged)
+        out.copy_(merged.view(*merged.shape[:axis], k, -1, *merged.shape[axis + 1:]).movedim(axis, 0))
+
+    def scatter_chunks(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        """The inverse of ``gather_chunks``: ``src[i]`` (``[k, *chunk_shape(n)]``) into the cache at
+        ``slots[i*n:(i+1)*n]``. The default rearranges ``src`` (a copy unless ``k`` is 1 or the
+        token axis leads) and scatters it."""
+        axis = self.token_axis(cache)
+        merged = src.movedim(0, axis).reshape(self.chunk_shape(cache, slots.numel()))
+        self.scatter(cache, slots, merged)
 
     def host_layer(self, cache: torch.Tensor) -> HostLayer | None:
         """``cache`` (on the CPU) as numpy items for ``kernels.host_copy``, in ``chunk_shape`` order;
@@ -158,6 +187,44 @@ class _TokenLayout(PagedLayout):
             bs = b.shape[self._lead + 1]
             idx = (slice(None),) * self._lead + (slots // bs, slots % bs)
             b[idx] = src
+
+    def _chunk_rows(self, cache: torch.Tensor, staging: torch.Tensor,
+                    n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The cache's rows ``[*lead, num_slots, R]`` and a view ``[*lead, k, n, R]`` of a
+        ``[k, *chunk_shape(n)]`` staging (int64 where both allow), or None where the cache's
+        strides do not merge."""
+        rows = self._rows(cache)
+        if rows is None:
+            return None
+        k, lead = staging.shape[0], tuple(rows.shape[:self._lead])
+        view = staging.view(k, *lead, n, rows.shape[-1]).movedim(0, self._lead)
+        r64, v64 = as_int64(rows), as_int64(view)
+        return (r64, v64) if r64 is not None and v64 is not None else (rows, view)
+
+    def gather_chunks(self, cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        k = out.shape[0]
+        pair = self._chunk_rows(cache, out, slots.numel() // k) if k > 1 else None
+        if pair is None:
+            super().gather_chunks(cache, slots, out)
+            return
+        _check_range(slots, self._num_slots(cache), "slot")
+        rows, view = pair
+        if self._lead == 0 and view.is_contiguous():  # [k*n, R] in slot order: one index_select, no temporary
+            torch.index_select(rows, 0, slots, out=view.view(slots.numel(), -1))
+        else:
+            view.copy_(rows[(slice(None),) * self._lead + (slots.view(k, -1),)])
+
+    def scatter_chunks(self, cache: torch.Tensor, slots: torch.Tensor, src: torch.Tensor) -> None:
+        k = src.shape[0]
+        pair = self._chunk_rows(cache, src, slots.numel() // k) if k > 1 else None
+        if pair is None:
+            super().scatter_chunks(cache, slots, src)
+            return
+        _check_range(slots, self._num_slots(cache), "slot")
+        rows, view = pair
+        # One indexed write per layer reading the staging where it lies (flash's K/V axis
+        # strided across records): no rearranged copy first.
+        rows[(slice(None),) * self._lead + (slots.view(k, -1),)] = view
 
 
 class FlashLayout(_TokenLayout):

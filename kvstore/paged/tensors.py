@@ -3,13 +3,17 @@ views that never copy."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from kvstore.types import array_view
+from kvstore.keys import ChunkKey
+from kvstore.types import Buffer, array_view
 
-__all__ = ["dtype_name", "slots_from_block_table", "try_view", "as_int64", "tensor_bytes"]
+__all__ = ["dtype_name", "slots_from_block_table", "try_view", "as_int64", "tensor_bytes", "HiddenOf"]
+
+#: The hidden state a chunk's record carries (its last token's): ``(bytes, dtype name, shape)``, or Nones.
+HiddenOf = Callable[[ChunkKey], tuple[Buffer | None, str | None, tuple[int, ...] | None]]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,48 +1,35 @@
 """``KVTransfer``: save and load token prefixes of a sequence between a paged cache and a store.
 
 The engine-agnostic core the agent API and the vLLM connector both use: per sequence (tokens,
-slots) it saves chunks through a ``PrefixCache`` and loads the longest stored prefix back.
+slots) it saves chunks through a ``PrefixCache`` and loads the longest stored prefix back. What
+is shared lives here (keys, the namespace's checks, hidden states); the copies are one of two
+paths, chosen once, when the transfer is built:
 
-* Save: each chunk is gathered from the paged cache straight into a leased pool buffer (resident,
-  pinned on CUDA), which becomes the record's payload as it is: the header goes beside it and
-  the store sends both pieces (a background writer keeps the lease until the bytes are out).
-  On a CPU cache of whole-block items, a store that sends or copies values before ``put``
-  returns (every store but a tiered one with background writers: ``Store.queues_writes``) is
-  handed the blocks themselves as the payload's pieces: no gather, the send reads the cache.
-* Load: records arrive in leased pool buffers, are verified in place, and are scattered into the
-  paged cache straight from there (on an accelerator: one host-to-device copy of the record's
-  bytes from the pinned buffer they arrived in, on a side stream, then the scatter on the device).
-  On a CPU cache a store that receives piece by piece (Redis, files) lands each record's KV in the
-  blocks themselves, once its header passed every check; its checksum and tag are checked
-  when its last byte is in, and a record that fails them is a miss like any other.
-
-The copy path is chosen once, when the transfer is built: the numpy kernels for CPU caches, the
-layout's torch copies on an accelerator.
+* ``HostCopies`` (``kvstore.paged.host``) for CPU caches: records gathered into (or sent
+  straight from) the blocks, loaded records landed in (or scattered into) them by numpy kernels;
+* ``DeviceCopies`` (``kvstore.paged.device``) for accelerators: one gather pass and one D2H copy
+  per save, DMAs from where records lie and verification on many threads per load, one scatter
+  pass for the verified prefix.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import math
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
-from kvstore.buffers import BufferPool, Lease
 from kvstore.errors import ConfigError
 from kvstore.keys import ChunkKey, InputSpan, Namespace, TokenIds, prefix_keys, tokens_to_array
-from kvstore.paged.kernels import BlockBytes, host_bytes, host_copy, host_layers
+from kvstore.paged.device import DEFAULT_STAGING_BYTES, DeviceCopies
+from kvstore.paged.host import HostCopies
 from kvstore.paged.layouts import PagedLayout, get_layout
 from kvstore.paged.tensors import dtype_name, tensor_bytes
-from kvstore.prefix_cache import ChunkPayload, PrefixCache
+from kvstore.pinned import HostPinner
+from kvstore.prefix_cache import PrefixCache
 from kvstore.record import Record
-from kvstore.types import Buffer, array_view
+from kvstore.types import Buffer
 
 __all__ = ["KVTransfer"]
-
-log = logging.getLogger(__name__)
 
 
 class KVTransfer:
@@ -65,10 +52,15 @@ class KVTransfer:
     caller may use: stale KV, or a failed record's bytes. Saves into a store that does not queue
     writes send such a cache's blocks as they are (``save_from_blocks``; off: gathered into a
     pool buffer first, as for every other store).
+
+    On an accelerator (or with ``device_path=True``, which the tests use on the CPU) the copies
+    are ``DeviceCopies``: ``pinner`` registers host memory with the device (default: CUDA's),
+    and ``staging_bytes`` bounds the device memory a load or save stages at once.
     """
 
     def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout | str, *,
-                 land: bool = True, save_from_blocks: bool = True) -> None:
+                 land: bool = True, save_from_blocks: bool = True, device_path: bool | None = None,
+                 pinner: HostPinner | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         if not kv_caches:
             raise ValueError("KVTransfer needs at least one layer's KV cache")
         self.cache = cache
@@ -93,29 +85,23 @@ class KVTransfer:
             problems.append(f"layer range [{ns.layer_start}, {ns.layer_end}) for {len(self.kv_caches)} layers")
         if problems:
             raise ConfigError("namespace does not describe the KV cache: " + "; ".join(problems))
+        if staging_bytes < 1:
+            raise ConfigError(f"staging_bytes={staging_bytes} must be at least 1")
         self.on_cuda = self.device.type == "cuda"
-        # Host staging comes from the prefix cache's pool; device-to-host copies overlap only
-        # from pinned memory, so an accelerator gets a pinned pool of the same budget.
-        pool = cache.pool
-        self.pool = pool if not self.on_cuda or pool.pin else BufferPool(pool.max_bytes, pin=True)
-        self._dev_buf: torch.Tensor | None = None
-        # numpy item views of every layer, built once (CPU caches): per chunk, one index for all layers.
-        self._host = host_layers([self.layout.host_layer(c) for c in self.kv_caches]) if self.device.type == "cpu" else None
-        # The cache's whole blocks as bytes (CPU caches): loads land records in them, saves send from them.
-        blocks = (BlockBytes(self._host) if self._host is not None and self._host[0].blocks is not None
-                  else None)
-        if blocks is not None and not blocks.rows:
-            blocks = None
-        self._landing = blocks if land else None
-        self._sources = blocks if save_from_blocks else None
-        # torch leaves torch.cuda.Stream's constructor unannotated.
-        self._stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
+        if device_path is None:
+            device_path = self.device.type != "cpu"
+        self.copies: HostCopies | DeviceCopies = (
+            DeviceCopies(cache, self.kv_caches, self.layout, pinner=pinner, staging_bytes=staging_bytes)
+            if device_path else
+            HostCopies(cache, self.kv_caches, self.layout, land=land, save_from_blocks=save_from_blocks))
+        #: Where records are received and gathered (pinned on an accelerator).
+        self.pool = self.copies.pool
 
     @property
     def lands_in_cache(self) -> bool:
         """Whether loads land records straight in the cache's blocks (a store that receives piece
         by piece permitting): a CPU cache of whole-block items, and ``land`` not turned off."""
-        return self._landing is not None
+        return isinstance(self.copies, HostCopies) and self.copies.lands_in_cache
 
     # -- helpers ---------------------------------------------------------------------------
     def usable_tokens(self, num_tokens: int) -> int:
@@ -132,29 +118,6 @@ class KVTransfer:
         arr = tokens_to_array(tokens)
         n = self.usable_tokens(arr.shape[0])
         return self.cache.keys(arr[:n], max_tokens=max_tokens, namespace=namespace, spans=spans)
-
-    def _shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
-        return [self.layout.chunk_shape(self.kv_caches[0], num_tokens)] * len(self.kv_caches)
-
-    def _staging_shape(self, num_tokens: int) -> tuple[int, ...]:
-        return (len(self.kv_caches), *self.layout.chunk_shape(self.kv_caches[0], num_tokens))
-
-    def _host_staging(self, num_tokens: int) -> tuple[torch.Tensor, Lease | None]:
-        """Host memory for one chunk of every layer: a pool lease (the caller releases it), or,
-        when the pool is full, a tensor of its own (``None`` lease)."""
-        shape = self._staging_shape(num_tokens)
-        nbytes = math.prod(shape) * self.kv_caches[0].element_size()
-        lease = self.pool.lease(nbytes)
-        if lease is None:
-            return torch.empty(shape, dtype=self.dtype, pin_memory=self.on_cuda), None
-        return torch.frombuffer(lease.view, dtype=torch.uint8).view(self.dtype).view(shape), lease
-
-    def _device_staging(self, num_tokens: int) -> torch.Tensor:
-        shape = self._staging_shape(num_tokens)
-        buf = self._dev_buf
-        if buf is None or buf.numel() < math.prod(shape):
-            self._dev_buf = buf = torch.empty(math.prod(shape), dtype=self.dtype, device=self.device)
-        return buf[:math.prod(shape)].view(shape)
 
     def lookup(self, tokens: TokenIds, max_tokens: int | None = None, *, spans: Sequence[InputSpan] = ()) -> int:
         """Tokens of the longest stored prefix (one lookup round trip; nothing is loaded)."""
@@ -192,56 +155,26 @@ class KVTransfer:
         if not keys:
             return 0
         slots = slots.to(self.device, torch.int64)
-        # A store that keeps values past put_many would copy borrowed blocks anyway: gather once
-        # into a lease it can retain. Codecs read one contiguous buffer.
-        sources = None if self.cache.store.queues_writes or self.cache.chain else self._sources
 
-        def payload(chunk: ChunkKey) -> ChunkPayload:
-            chunk_slots = slots[chunk.start:chunk.end]
-            lease = None
-            blocks = sources.targets(chunk_slots) if sources is not None else None
-            kv: Buffer | Sequence[Buffer]
-            if blocks is not None:
-                kv = blocks
-            else:
-                staging, lease = self._host_staging(chunk.num_tokens)
-                try:
-                    self._gather(chunk_slots, staging)
-                except BaseException:
-                    if lease is not None:
-                        lease.release()
-                    raise
-                kv = lease.view if lease is not None else tensor_bytes(staging)
-            hidden = hidden_dtype = hidden_shape = None
-            row = chunk.end - 1 - start_token
-            if hidden_states is not None and 0 <= row < hidden_states.shape[0]:
-                h = hidden_states[row].detach().to("cpu").contiguous()
-                hidden, hidden_dtype, hidden_shape = tensor_bytes(h), dtype_name(h.dtype), tuple(h.shape)
-            return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=kv, hidden=hidden,
-                                hidden_dtype=hidden_dtype, hidden_shape=hidden_shape, owner=lease)
+        # Every chunk end's hidden state in one copy to the host (on an accelerator, one wait for
+        # the compute stream instead of one per chunk).
+        ends: dict[int, torch.Tensor] = {}
+        if hidden_states is not None:
+            n = hidden_states.shape[0]
+            rows = sorted({row for row in (k.end - 1 - start_token for k in keys) if 0 <= row < n})
+            if rows:
+                index = torch.tensor(rows, device=hidden_states.device)
+                host = hidden_states.detach().index_select(0, index).to("cpu").contiguous()
+                ends = {row: host[i] for i, row in enumerate(rows)}
 
-        return self.cache.save(arr[:max(k.end for k in keys)], keys, payload, from_token=from_token,
-                               namespace=namespace, spans=spans, announce=announce)
+        def hidden(chunk: ChunkKey) -> tuple[Buffer | None, str | None, tuple[int, ...] | None]:
+            h = ends.get(chunk.end - 1 - start_token)
+            if h is None:
+                return None, None, None
+            return tensor_bytes(h), dtype_name(h.dtype), tuple(h.shape)
 
-    def _gather(self, slots: torch.Tensor, host: torch.Tensor) -> None:
-        """Copy the KV of ``slots`` in every layer into ``host`` (``_staging_shape(len(slots))``).
-        The record's checksum is computed later, as the store sends the bytes (``Pieces.stream``)."""
-        n = slots.numel()
-        if not self.on_cuda:
-            staging = host_bytes(host) if self._host is not None else None
-            if self._host is None or staging is None or not host_copy(self._host, slots, staging, False):
-                for layer, cache in enumerate(self.kv_caches):
-                    self.layout.gather(cache, slots, host[layer])
-            return
-        dev = self._device_staging(n)
-        stream = self._stream
-        assert stream is not None  # built with the transfer on CUDA
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for layer, cache in enumerate(self.kv_caches):
-                self.layout.gather(cache, slots, dev[layer])
-            host.copy_(dev, non_blocking=True)
-        stream.synchronize()  # the record encoder reads the host bytes next
+        return self.copies.save(arr[:max(k.end for k in keys)], keys, slots, hidden, from_token=from_token,
+                                namespace=namespace, spans=spans, announce=announce)
 
     # -- load ------------------------------------------------------------------------------
     def load_sequence(self, tokens: TokenIds, slots: torch.Tensor,
@@ -275,28 +208,10 @@ class KVTransfer:
         if not keys:
             return min(skip_tokens, arr.shape[0]), None
         slots = slots.to(self.device, torch.int64)
-
-        def sink(chunk: ChunkKey, record: Record) -> None:
-            if before_place is not None:
-                before_place(chunk, record)
-            if not record.landed:
-                self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
-
-        landing = self._landing
-        land = None
-        if landing is not None:
-            def land(chunk: ChunkKey) -> list[memoryview] | None:
-                # Never into blocks before skip_tokens: they may be shared with other requests.
-                return landing.targets(slots[chunk.start:chunk.end]) if chunk.start >= skip_tokens else None
-
-        result = self.cache.load(arr[:keys[-1].end], keys, sink, land=land,
-                                 shapes=lambda c: self._shapes(c.num_tokens), namespace=namespace,
-                                 hidden_dtype=dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype)
-                                 else hidden_dtype,
-                                 hidden_shape=hidden_shape)
-        if self.on_cuda:
-            assert self._stream is not None  # built with the transfer on CUDA
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        result = self.copies.load(arr[:keys[-1].end], keys, slots, skip_tokens, namespace=namespace,
+                                  before_place=before_place,
+                                  hidden_dtype=dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype)
+                                  else hidden_dtype, hidden_shape=hidden_shape)
         hidden = None
         header = result.last_header
         if result.num_tokens and header is not None and result.hidden is not None and header.hidden_shape is not None:
@@ -304,55 +219,3 @@ class KVTransfer:
             if isinstance(dt, torch.dtype):
                 hidden = torch.frombuffer(bytearray(result.hidden), dtype=dt).view(header.hidden_shape)
         return (result.num_tokens if result.num_tokens else min(skip_tokens, arr.shape[0])), hidden
-
-    def _token_rows(self, staging: torch.Tensor, num_tokens: int, skip: int) -> torch.Tensor:
-        """The part of one layer's staging (``chunk_shape(num_tokens)``) after its first ``skip`` tokens."""
-        full = self.layout.chunk_shape(self.kv_caches[0], num_tokens)
-        rest = self.layout.chunk_shape(self.kv_caches[0], num_tokens - skip)
-        axis = next(i for i, (a, b) in enumerate(zip(full, rest)) if a != b)
-        return staging.narrow(axis, full[axis] - rest[axis], rest[axis]).contiguous()
-
-    def _scatter(self, slots: torch.Tensor, kv: Buffer, skip: int = 0) -> None:
-        n = slots.numel()
-        # On the CPU, straight from the record's bytes (numpy items have no alignment needs).
-        if self._host is not None and host_copy(self._host, slots, np.frombuffer(kv, dtype=np.uint8), True, skip):
-            return
-        view = memoryview(kv)
-        if self.on_cuda and not view.readonly:
-            self._scatter_bytes(slots, view, skip)
-            return
-        # Staged first: torch's CPU copies need the record's bytes typed and aligned, and torch
-        # cannot wrap read-only memory (a memory tier's value) for the device copy.
-        host, lease = self._host_staging(n)
-        try:
-            staged = host.view(-1).view(torch.uint8)
-            np.copyto(staged.numpy(), np.frombuffer(kv, dtype=np.uint8))
-            if self.on_cuda:
-                self._scatter_bytes(slots, array_view(staged.numpy()), skip)
-                return
-            for layer, cache in enumerate(self.kv_caches):
-                rows = self._token_rows(host[layer], n, skip) if skip else host[layer]
-                self.layout.scatter(cache, slots[skip:], rows.to(self.device))
-        finally:
-            if lease is not None:
-                lease.release()
-
-    def _scatter_bytes(self, slots: torch.Tensor, kv: memoryview, skip: int) -> None:
-        """The record's bytes to the device in one copy, straight from the buffer they arrived in
-        (a pinned pool lease: a DMA, no host copy; copied as bytes, so the payload's alignment in
-        the record does not matter), then the layout's scatter from device staging. On the side
-        stream on CUDA; runs on any device (the CPU tests run it)."""
-        n = slots.numel()
-        dev = self._device_staging(n)
-        src = torch.frombuffer(kv, dtype=torch.uint8)
-        stream = self._stream
-        if stream is not None:  # as in _gather: the compute stream's queued work on these blocks comes first
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            dev.view(-1).view(torch.uint8).copy_(src, non_blocking=True)
-            for layer, cache in enumerate(self.kv_caches):
-                rows = self._token_rows(dev[layer], n, skip) if skip else dev[layer]
-                self.layout.scatter(cache, slots[skip:], rows)
-        if stream is not None:
-            stream.synchronize()  # the lease is released after this returns
-

@@ -9,9 +9,11 @@ from kvstore.record.format import (
     DTYPES,
     FRAME_BYTES,
     MAGIC,
+    CheckedRecord,
     Landing,
     Record,
     RecordHeader,
+    check_record,
     decode_record,
     encode_record,
     encode_record_pieces,
@@ -20,7 +22,8 @@ from kvstore.record.format import (
     land_record,
     read_header,
     verify_landed,
+    verify_record,
 )
 
-__all__ = ["DTYPES", "FRAME_BYTES", "Landing", "MAGIC", "Record", "RecordAuth", "RecordHeader", "decode_record", "encode_record",
-           "encode_record_pieces", "header_extent", "kv_nbytes", "land_record", "read_header", "verify_landed"]
+__all__ = ["CheckedRecord", "DTYPES", "FRAME_BYTES", "Landing", "MAGIC", "Record", "RecordAuth", "RecordHeader", "check_record", "decode_record", "encode_record",
+           "encode_record_pieces", "header_extent", "kv_nbytes", "land_record", "read_header", "verify_landed", "verify_record"]

@@ -525,7 +525,7 @@ def _check_lengths(header: RecordHeader, actual: int) -> None:
 
 def _expect(header: RecordHeader, namespace: Namespace | None, chunk: ChunkKey | None, tokens: TokenIds | None,
             dtype: str | None, shapes: Sequence[Sequence[int]] | None, hidden_dtype: str | None,
-            hidden_shape: Sequence[int] | None, out: memoryview | None) -> None:
+            hidden_shape: Sequence[int] | None) -> None:
     """The reader's expectations, all checked before the payload is read."""
     if namespace is not None and header.namespace != namespace.digest:
         raise _fail("record belongs to another namespace", "namespace")
@@ -548,8 +548,72 @@ def _expect(header: RecordHeader, namespace: Namespace | None, chunk: ChunkKey |
         if hidden_shape is not None and header.hidden_shape != tuple(int(d) for d in hidden_shape):
             raise _fail(f"record hidden state has shape {list(header.hidden_shape or ())}, "
                         f"expected {list(hidden_shape)}", "shape")
-    if out is not None and out.nbytes != header.raw_len:
-        raise _fail(f"record decodes to {header.raw_len} bytes, the destination holds {out.nbytes}", "shape")
+
+
+@dataclass(frozen=True)
+class CheckedRecord:
+    """A record whose frame, header and the reader's expectations passed (``check_record``),
+    its checksum and tag not yet verified (``verify_record``): where its parts lie in its bytes."""
+
+    header: RecordHeader
+    #: Where the payload starts: the (encoded) KV bytes, then the hidden state's.
+    payload_at: int
+
+    @property
+    def body(self) -> slice:
+        """The encoded KV bytes' place in the record (``raw_len`` bytes when uncompressed)."""
+        return slice(self.payload_at, self.payload_at + self.header.payload_len - self.header.hidden_len)
+
+    @property
+    def hidden(self) -> slice | None:
+        """The hidden state's place in the record, if it carries one."""
+        end = self.payload_at + self.header.payload_len
+        return slice(end - self.header.hidden_len, end) if self.header.hidden_len else None
+
+
+def check_record(
+    data: Buffer,
+    *,
+    namespace: Namespace | None = None,
+    chunk: ChunkKey | None = None,
+    tokens: TokenIds | None = None,
+    dtype: str | None = None,
+    shapes: Sequence[Sequence[int]] | None = None,
+    hidden_dtype: str | None = None,
+    hidden_shape: Sequence[int] | None = None,
+) -> CheckedRecord:
+    """Every check ``decode_record`` makes of a whole record but its checksum and tag: the frame,
+    every header field and their consistency, and the reader's expectations given (their
+    meaning as in ``decode_record``). Cheap (the header only), so a reader may start moving the
+    payload somewhere that is not its destination (a device's staging) while ``verify_record``
+    reads every byte; a ``CorruptRecordError`` otherwise."""
+    header, payload_at = _parse(_flat(data))
+    _expect(header, namespace, chunk, tokens, dtype, shapes, hidden_dtype, hidden_shape)
+    return CheckedRecord(header, payload_at)
+
+
+def verify_record(data: Buffer, checked: CheckedRecord, *, auth: TagKeys | None = None,
+                  digest: bytes | None = None) -> None:
+    """The rest of a record's checks, after ``check_record`` of the same bytes: its checksum
+    (against ``digest``, the caller's xxh3-64 of every byte but the last 8, when given: no pass
+    over the bytes) and, with ``auth``, its tag. A ``CorruptRecordError`` if either fails.
+    Reads every byte when it hashes: callers may run it on other threads (xxh3 and BLAKE3
+    release the GIL)."""
+    view = _flat(data)
+    header, payload_at = checked.header, checked.payload_at
+    payload = view[payload_at:payload_at + header.payload_len]
+    signed: tuple[memoryview, ...]
+    if header.version == 1:
+        checked_bytes = payload
+        signed = (view[FRAME_BYTES:payload_at - (TAG_BYTES if header.tag is not None else 0)], payload)
+    else:
+        checked_bytes, signed = view[:len(view) - CHECKSUM_BYTES], (view[:payload_at + header.payload_len],)
+    if header.version == 1 or digest is None:
+        digest = xxhash.xxh3_64_digest(checked_bytes)
+    if digest != header.checksum:
+        raise _fail("record checksum mismatch", "checksum")
+    if auth is not None:
+        auth.check(header.key_id, header.tag, signed)
 
 
 def decode_record(
@@ -578,27 +642,21 @@ def decode_record(
     view of ``data`` for uncompressed records (no copy) or a new buffer. ``digest``, if given,
     is the xxh3-64 of all of ``data`` but its last 8 bytes as the caller computed it when the
     bytes arrived (``Lease.digest``): a version-2 record's checksum is compared with it instead
-    of reading ``data`` again.
+    of reading ``data`` again. ``check_record`` and ``verify_record`` are its two halves.
     """
     view = _flat(data)
-    header, payload_at = _parse(view)
-    if out is not None and (out.format != "B" or out.ndim != 1):
-        out = out.cast("B")
-    _expect(header, namespace, chunk, tokens, dtype, shapes, hidden_dtype, hidden_shape, out)
-    payload = view[payload_at:payload_at + header.payload_len]
-    signed: tuple[memoryview, ...]
-    if header.version == 1:
-        checked, signed = payload, (view[FRAME_BYTES:payload_at - (TAG_BYTES if header.tag is not None else 0)], payload)
-    else:
-        checked, signed = view[:len(view) - CHECKSUM_BYTES], (view[:payload_at + header.payload_len],)
-    if header.version == 1 or digest is None:
-        digest = xxhash.xxh3_64_digest(checked)
-    if digest != header.checksum:
-        raise _fail("record checksum mismatch", "checksum")
-    if auth is not None:
-        auth.check(header.key_id, header.tag, signed)
-    body = payload[:header.payload_len - header.hidden_len]
-    hidden = payload[header.payload_len - header.hidden_len:] if header.hidden_len else None
+    checked = check_record(view, namespace=namespace, chunk=chunk, tokens=tokens, dtype=dtype, shapes=shapes,
+                           hidden_dtype=hidden_dtype, hidden_shape=hidden_shape)
+    header = checked.header
+    if out is not None:
+        if out.format != "B" or out.ndim != 1:
+            out = out.cast("B")
+        if out.nbytes != header.raw_len:
+            raise _fail(f"record decodes to {header.raw_len} bytes, the destination holds {out.nbytes}", "shape")
+    verify_record(view, checked, auth=auth, digest=digest)
+    body = view[checked.body]
+    hidden_at = checked.hidden
+    hidden = view[hidden_at] if hidden_at is not None else None
     if header.codecs:
         kv = codecs.decode(header.codecs, body, header.raw_len, out)
     elif out is not None:
@@ -670,7 +728,7 @@ def land_record(
     yield (view[FRAME_BYTES:payload_at],)
     try:
         header, at = _parse(view)  # the trailer has not arrived: verify_landed reads it
-        _expect(header, namespace, chunk, tokens, dtype, shapes, hidden_dtype, hidden_shape, None)
+        _expect(header, namespace, chunk, tokens, dtype, shapes, hidden_dtype, hidden_shape)
         kv = None if header.codecs else destination()
     except CorruptRecordError:
         kv = None

@@ -44,6 +44,11 @@ Contract, for every backend:
   measured speed; ``longest_prefix_by_tier`` says how many leading keys each holds, one round
   trip per tier. A single store is one tier: itself. Callers (the cost model, a scheduler) use
   these instead of asking which kind of store they hold.
+* ``pin_host_memory(pinner)``: a store whose values lie in this host's memory (a memory tier, a
+  shared-memory mapping) registers that memory with an accelerator through ``pinner``
+  (``kvstore.pinned``) from then on, and says so in ``Lease.pinned`` of what ``get_into``
+  yields: a device copy then reads a value where it lies. Others ignore it (they receive into
+  the reader's pool, which pins its own buffers).
 * Stores are thread-safe.
 * A store that removes values on its own (capacity eviction) mixes in ``Evicting``: listeners
   learn the keys it evicted, after they are gone.
@@ -61,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvstore.buffers import BufferPool, Lease, Pieces, borrow
+from kvstore.pinned import HostPinner
 from kvstore.stores.speed import LinkSpeed
 from kvstore.types import Buffer
 
@@ -199,6 +205,10 @@ class Store(ABC):
         for key, value in items:
             self.put(key, value)
 
+    def pin_host_memory(self, pinner: HostPinner) -> None:
+        """Register the host memory values lie in with ``pinner`` from now on (see the module
+        docstring); the default has none to register."""
+
     def delete_many(self, keys: Sequence[str]) -> int:
         return sum(1 for k in keys if self.delete(k))
 
@@ -335,6 +345,9 @@ class WrapperStore(Store):
 
     def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
         self.inner.put_many(items)
+
+    def pin_host_memory(self, pinner: HostPinner) -> None:
+        self.inner.pin_host_memory(pinner)
 
     def delete_many(self, keys: Sequence[str]) -> int:
         return self.inner.delete_many(keys)

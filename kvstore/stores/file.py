@@ -11,6 +11,11 @@ directory at once.
 ``get_into`` reads each file straight into a pool lease, in slices each hashed right after it
 lands (``Lease.digest``): no intermediate ``bytes``, and the reader checks the record against
 the digest instead of reading it again.
+
+``put_many`` writes values of ``PARALLEL_BYTES`` or more on ``kvstore.buffers.workers()``, one
+thread a file (each streams its value, computing its checksum as its bytes go out), while the
+caller produces the next; like ``put``, it returns once every file is in place or has failed,
+and raises the first failure then.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +45,7 @@ from kvstore.buffers import (
     byte_view,
     io_batches,
     lease_or_fresh,
+    workers,
     write_all,
 )
 from kvstore.config import build, check_options, option, query_options
@@ -47,6 +54,9 @@ from kvstore.metrics.catalog import EVICTIONS
 from kvstore.stores.base import Evicting, Head, LeaseStream, Place, Store, WriteValue, check_head_bytes
 
 _STALE_TMP_SECONDS = 3600.0
+#: Values at least this large are written on worker threads by ``put_many`` (smaller ones cost
+#: less to write than to hand over).
+PARALLEL_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -170,6 +180,22 @@ class FileStore(Evicting, Store):
             self._account(size)
         except OSError as exc:
             raise StoreUnavailableError(f"file store {self.root} could not count or evict: {exc}") from exc
+
+    def put_many(self, items: Iterable[tuple[str, WriteValue]]) -> None:
+        writing: list[Future[None]] = []
+        try:
+            for key, value in items:
+                size = len(value) if isinstance(value, Pieces) else memoryview(value).nbytes
+                if size >= PARALLEL_BYTES:
+                    writing.append(workers().submit(self.put, key, value))
+                else:
+                    self.put(key, value)
+        finally:
+            wait(writing)  # every write ends before this returns or raises: callers reuse their buffers
+        for done in writing:
+            exc = done.exception()
+            if exc is not None:
+                raise exc
 
     def delete(self, key: str) -> bool:
         path = self._path(key)

@@ -18,6 +18,12 @@ Contract, beyond ``Store``'s:
   dropped first) and reuses one while the key's file is the same inode, so a prefix loaded again
   costs no page faults; a file replaced by another writer is a different inode, mapped afresh
   (never a stale value). Smaller values are read into ``get_into``'s pool leases (one ``preadv``).
+  After ``pin_host_memory`` every mapping is registered with the accelerator once, when it is
+  first used (its registration ends when the last view of it goes), and its leases say
+  ``pinned``: a GPU reader DMAs a verified record straight from the mapping.
+* **Writes in parallel.** ``put_many`` writes large values on ``kvstore.buffers.workers()``, each
+  file by one thread (its checksum computed as its bytes go out), so a prefix's records go to
+  the tmpfs at the speed of several cores, not one.
 * **Bounded, LRU across processes.** Capacity accounting and eviction are the file store's
   (``FileStore``): a usage counter shared under ``flock``, least recently used files (by
   modification time, which reads refresh) evicted down to ``low_water`` of ``max_bytes``.
@@ -39,19 +45,20 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import xxhash
+import numpy as np
 
-from kvstore.buffers import SELF_CHECK_BYTES, BufferPool, Lease, borrow
+from kvstore.buffers import BufferPool, Lease, borrow, self_digest, workers
 from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
+from kvstore.pinned import HostPinner
 from kvstore.stores.base import LeaseStream, Place, Value
 from kvstore.stores.file import FileConfig, FileStore
+from kvstore.types import array_view
 
 __all__ = ["ShmConfig", "ShmStore"]
 
@@ -104,8 +111,6 @@ class ShmStore(FileStore):
         self.shm = config
         self._writer_lock = threading.Lock()
         self._writer_pid = -1
-        self._hash_pool: ThreadPoolExecutor | None = None
-        self._hash_pid = -1
         self._writer_dir = Path()
         self._writer_alive = -1
         self._tmp_root = Path(config.path) / "tmp"
@@ -211,19 +216,22 @@ class ShmStore(FileStore):
         except OSError:
             pass  # evicted meanwhile: the value read is still whole
 
-    def _mapping(self, key: str, path: str | Path) -> memoryview | int | None:
-        """``key``'s record as a view of a mapping if it is ``map_bytes`` or larger (the cached
-        one while the file is the same), else an open descriptor; None on a miss."""
+    def pin_host_memory(self, pinner: HostPinner) -> None:
+        self._maps.pinner = pinner
+
+    def _mapping(self, key: str, path: str | Path) -> _Mapped | int | None:
+        """``key``'s record as a mapping if it is ``map_bytes`` or larger (the cached one while
+        the file is the same), else an open descriptor; None on a miss."""
         try:
             st = os.stat(path)
         except FileNotFoundError:
             self._maps.drop(key)
             return None
         if st.st_size >= self.shm.map_bytes and st.st_size > 0:
-            view = self._maps.find(key, st.st_dev, st.st_ino)
-            if view is not None:
+            found = self._maps.find(key, st.st_dev, st.st_ino)
+            if found is not None:
                 self._touch(path)
-                return view
+                return found
         fd = self._open(path)
         if fd is None:
             return None
@@ -233,15 +241,17 @@ class ShmStore(FileStore):
                 self._touch(path)
                 return fd
             # Not MAP_POPULATE: filling every page table entry up front costs more than the
-            # faults, which map 16 pages each (fault-around).
-            view = memoryview(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
+            # faults, which map 16 pages each (fault-around). The array is the mapping's one
+            # owner: a registration with an accelerator ends when it goes (kvstore.pinned).
+            array = np.frombuffer(mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ),
+                                  dtype=np.uint8)
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # the mapping keeps the file
-        self._maps.keep(key, st.st_dev, st.st_ino, view)
+        mapped = self._maps.keep(key, st.st_dev, st.st_ino, array)
         self._touch(path)
-        return view
+        return mapped
 
     def _read(self, fd: int, into: memoryview) -> None:
         size, got = len(into), 0
@@ -256,7 +266,7 @@ class ShmStore(FileStore):
         try:
             found = self._mapping(key, path)
             if not isinstance(found, int):
-                return found
+                return None if found is None else found.view
             try:
                 out = bytearray(os.fstat(found).st_size)
                 self._read(found, memoryview(out))
@@ -270,42 +280,34 @@ class ShmStore(FileStore):
         """Each value as a borrowed view of its mapping (``map_bytes`` or more), or read into a
         lease of ``pool`` (a borrowed copy when the pool has no room).
 
-        A mapped value is hashed (``Lease.digest``) on a thread of the store's one value ahead of
-        the caller: while the caller verifies and places value i, value i+1 is hashed (xxh3
-        releases the GIL), so a load reads each record's bytes once in its own thread. A record
-        file is never written after its rename, so the bytes hashed are the bytes placed."""
-        ahead: deque[tuple[Lease | None, Future[bytes | None] | None]] = deque()
+        A mapped value is hashed on ``kvstore.buffers.workers()`` from the time the caller asks
+        for the value before it, and yielded at once with its digest pending
+        (``Lease.hash_later``): a caller verifying value i reads its digest while value i+1 is
+        hashed (xxh3 releases the GIL), and one that moves values to a device starts each DMA
+        while it is hashed. A record file is never written after its rename, so the bytes
+        hashed are the bytes placed."""
+        ahead: deque[Lease | None] = deque()
         try:
             for key in keys:
                 lease = self._lease(key, pool)
-                hashing = None
-                if lease is not None and lease.digest is None and len(lease.view) >= self.shm.map_bytes:
-                    hashing = self._hasher().submit(_digest, lease.view)
-                ahead.append((lease, hashing))
+                if lease is not None and not lease.digesting and len(lease.view) >= self.shm.map_bytes:
+                    lease.hash_later(workers().submit(self_digest, lease.view))
+                ahead.append(lease)
                 if len(ahead) > 1:
-                    yield _finish(*ahead.popleft())
+                    yield ahead.popleft()
             while ahead:
-                yield _finish(*ahead.popleft())
+                yield ahead.popleft()
         finally:
-            for lease, hashing in ahead:  # the caller stopped early
-                if hashing is not None:
-                    hashing.cancel()
+            for lease in ahead:  # the caller stopped early
                 if lease is not None:
                     lease.release()
-
-    def _hasher(self) -> ThreadPoolExecutor:
-        """This process's hashing thread (a fork gets its own)."""
-        with self._writer_lock:
-            if self._hash_pool is None or self._hash_pid != os.getpid():
-                self._hash_pool, self._hash_pid = ThreadPoolExecutor(1, thread_name_prefix="kvstore-shm-hash"), os.getpid()
-            return self._hash_pool
 
     def _lease(self, key: str, pool: BufferPool) -> Lease | None:
         path = self._file(key)
         try:
             found = self._mapping(key, path)
-            if found is None or isinstance(found, memoryview):
-                return None if found is None else borrow(found)
+            if found is None or isinstance(found, _Mapped):
+                return None if found is None else borrow(found.view, pinned=found.pinned)
             try:
                 size = os.fstat(found).st_size
                 lease = pool.lease(size) if size else None
@@ -334,9 +336,6 @@ class ShmStore(FileStore):
     def close(self) -> None:
         """Give up this process's temporary directory (the records stay: other processes share them)."""
         with self._writer_lock:
-            if self._hash_pool is not None and self._hash_pid == os.getpid():
-                self._hash_pool.shutdown(wait=True)
-            self._hash_pool = None
             self._maps.clear()
             if self._writer_pid != os.getpid():
                 return  # a fork's copy: the directory is its parent's
@@ -352,15 +351,17 @@ class ShmStore(FileStore):
         return {"store": "shm", "name": self.shm.name, "path": str(self.root), "max_bytes": self.shm.max_bytes}
 
 
-def _digest(view: memoryview) -> bytes | None:
-    """``Lease.digest`` of a whole value: xxh3-64 of all but its last ``SELF_CHECK_BYTES``."""
-    return xxhash.xxh3_64_digest(view[:len(view) - SELF_CHECK_BYTES]) if len(view) >= SELF_CHECK_BYTES else None
+@dataclass
+class _Mapped:
+    """One mapping of a record file: its array (the mapping's one owner), a view of it, and
+    whether it is registered with an accelerator (until the array goes)."""
 
-
-def _finish(lease: Lease | None, hashing: Future[bytes | None] | None) -> Lease | None:
-    if lease is not None and hashing is not None:
-        lease.digest = hashing.result()
-    return lease
+    dev: int
+    ino: int
+    array: np.ndarray
+    view: memoryview
+    pinned: bool = False
+    pin_tried: bool = False
 
 
 class _Mappings:
@@ -368,31 +369,46 @@ class _Mappings:
 
     An entry is valid while the key's file is the one mapped: the same ``(st_dev, st_ino)``. A
     mapping keeps its file's inode alive, so no other file can take that inode number meanwhile.
+    With a ``pinner`` each mapping handed out is registered once (on its first use since).
     """
 
     def __init__(self, max_bytes: int) -> None:
         self._max = max_bytes
         self._lock = threading.Lock()
-        self._maps: OrderedDict[str, tuple[int, int, memoryview]] = OrderedDict()
+        self._maps: OrderedDict[str, _Mapped] = OrderedDict()
         self._bytes = 0
+        self.pinner: HostPinner | None = None
 
-    def find(self, key: str, dev: int, ino: int) -> memoryview | None:
+    def find(self, key: str, dev: int, ino: int) -> _Mapped | None:
         with self._lock:
             entry = self._maps.get(key)
-            if entry is None or entry[0] != dev or entry[1] != ino:
+            if entry is None or entry.dev != dev or entry.ino != ino:
                 return None
             self._maps.move_to_end(key)
-            return entry[2]
+        return self._pinned(entry)
 
-    def keep(self, key: str, dev: int, ino: int, view: memoryview) -> None:
+    def keep(self, key: str, dev: int, ino: int, array: np.ndarray) -> _Mapped:
+        """A new mapping of ``key``'s file (``array``), cached if it fits."""
+        entry = _Mapped(dev, ino, array, array_view(array))
         with self._lock:
             self._pop(key)
-            if len(view) > self._max:
-                return
-            self._maps[key] = (dev, ino, view)
-            self._bytes += len(view)
-            while self._bytes > self._max:
-                self._bytes -= len(self._maps.popitem(last=False)[1][2])
+            if len(entry.view) <= self._max:
+                self._maps[key] = entry
+                self._bytes += len(entry.view)
+                while self._bytes > self._max:
+                    self._bytes -= len(self._maps.popitem(last=False)[1].view)
+        return self._pinned(entry)
+
+    def _pinned(self, entry: _Mapped) -> _Mapped:
+        """``entry``, registered with the pinner on its first use since there is one."""
+        pinner = self.pinner
+        if pinner is not None and not entry.pin_tried:
+            with self._lock:
+                if entry.pin_tried:
+                    return entry
+                entry.pin_tried = True
+            entry.pinned = pinner.pin(entry.array, read_only=True)
+        return entry
 
     def drop(self, key: str) -> None:
         with self._lock:
@@ -401,7 +417,7 @@ class _Mappings:
     def _pop(self, key: str) -> None:
         old = self._maps.pop(key, None)
         if old is not None:
-            self._bytes -= len(old[2])
+            self._bytes -= len(old.view)
 
     def clear(self) -> None:
         with self._lock:

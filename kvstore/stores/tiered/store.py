@@ -44,6 +44,7 @@ from kvstore.buffers import BufferPool, Lease, Pieces, copy_bytes, default_pool
 from kvstore.config import build
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import BYTES_READ, BYTES_WRITTEN
+from kvstore.pinned import HostPinner
 from kvstore.stores.base import LeaseStream, Place, Store, Value, WriteValue
 from kvstore.stores.registry import open_backend
 from kvstore.stores.tiered.config import TieredConfig
@@ -263,6 +264,10 @@ class TieredStore(Store):
         items = list(items)
         if items:
             self._write(self.tiers, items)
+
+    def pin_host_memory(self, pinner: HostPinner) -> None:
+        for tier in self.tiers:
+            tier.store.pin_host_memory(pinner)
 
     def _write(self, tiers: Sequence[Tier], items: list[tuple[str, WriteValue]]) -> None:
         """Local tiers now, shared tiers through their queues (each holding the value until sent)."""
