@@ -138,9 +138,11 @@ class CostModel:
             return None if self.prefill_rate is None else tokens / self.prefill_rate
 
     def plan(self, per_tier: Sequence[tuple[LinkSpeed, int]], chunk_tokens: Sequence[int],
-             chunk_bytes: int) -> LoadPlan:
+             chunk_bytes: int, *, extra_bytes: int = 0) -> LoadPlan:
         """The chunks to load of a hit: ``per_tier`` is ``(tier speed, leading chunks it holds)``
-        fastest first; ``chunk_tokens[i]`` the tokens of chunk i; ``chunk_bytes`` one chunk's size."""
+        fastest first; ``chunk_tokens[i]`` the tokens of chunk i; ``chunk_bytes`` one chunk's size;
+        ``extra_bytes`` what any load adds once, from the tier of its last chunk (e.g. the
+        recurrent state at the hit's end, a sliding window)."""
         total = max((n for _, n in per_tier), default=0)
         if total == 0:
             return LoadPlan(0, "", None, None)
@@ -152,13 +154,14 @@ class CostModel:
                 segments.append((speed, covered, n))
                 covered = n
         hit_tokens = sum(chunk_tokens[:total])
-        full = self._plan_for(total, segments, chunk_bytes, hit_tokens, "")
+        sizes = (chunk_bytes, extra_bytes)
+        full = self._plan_for(total, segments, sizes, hit_tokens, "")
         if self.policy != "auto":
-            return self._count(full if self.policy == "always" else self._plan_for(0, segments, chunk_bytes,
+            return self._count(full if self.policy == "always" else self._plan_for(0, segments, sizes,
                                                                                    hit_tokens, full.tier), full)
         first = segments[0][0].tier  # a load's first chunk comes from here
         now = self._clock()
-        chosen = self._choose(full, segments, chunk_tokens, chunk_bytes, hit_tokens, total)
+        chosen = self._choose(full, segments, chunk_tokens, sizes, hit_tokens, total)
         with self._lock:
             last = self._last_load.get(first)
             probe = not chosen.loads and last is not None and now - last > self.reprobe_after
@@ -167,11 +170,11 @@ class CostModel:
         if probe:
             # Recomputing everything from a tier never measures it again: one chunk now and then
             # keeps its estimate current (a link that got fast again is seen), at a bounded cost.
-            chosen = self._plan_for(1, segments, chunk_bytes, hit_tokens, full.tier)
+            chosen = self._plan_for(1, segments, sizes, hit_tokens, full.tier)
         return self._count(chosen, full)
 
     def _choose(self, full: LoadPlan, segments: Sequence[tuple[LinkSpeed, int, int]], chunk_tokens: Sequence[int],
-                chunk_bytes: int, hit_tokens: int, total: int) -> LoadPlan:
+                sizes: tuple[int, int], hit_tokens: int, total: int) -> LoadPlan:
         """The ``auto`` decision: the cheapest tier boundary to load up to (see the module docstring)."""
         if full.load_seconds is None:
             return full  # the link is unmeasured: load, and so measure it
@@ -179,11 +182,11 @@ class CostModel:
             # The link is measured but no prefill was seen (every request so far was a hit): a load
             # that takes long is worth one recompute, which measures what recomputing costs.
             slow = full.load_seconds > self.explore_above
-            return self._plan_for(0, segments, chunk_bytes, hit_tokens, full.tier) if slow else full
+            return self._plan_for(0, segments, sizes, hit_tokens, full.tier) if slow else full
         best: LoadPlan | None = None
         best_cost = 0.0
         for end in [0] + [e for _, _, e in segments]:  # fewer chunks first
-            candidate = self._plan_for(end, segments, chunk_bytes, hit_tokens, full.tier)
+            candidate = self._plan_for(end, segments, sizes, hit_tokens, full.tier)
             cost = (candidate.load_seconds or 0.0) + (self.recompute_seconds(sum(chunk_tokens[end:total])) or 0.0)
             # Loading more must be ``margin`` times better: ties and noise favour computing.
             if best is None or cost * self.margin < best_cost:
@@ -191,16 +194,19 @@ class CostModel:
         assert best is not None
         return best
 
-    def _plan_for(self, chunks: int, segments: Sequence[tuple[LinkSpeed, int, int]], chunk_bytes: int,
+    def _plan_for(self, chunks: int, segments: Sequence[tuple[LinkSpeed, int, int]], sizes: tuple[int, int],
                   hit_tokens: int, hit_tier: str) -> LoadPlan:
-        """Loading the first ``chunks`` chunks: its time, and the recompute time of the whole hit."""
+        """Loading the first ``chunks`` chunks (``sizes``: a chunk's bytes, and the bytes any load
+        adds from the tier of its last chunk): its time, and the recompute time of the whole hit."""
+        chunk_bytes, extra_bytes = sizes
         load: float | None = 0.0
         tier = hit_tier
         for speed, start, end in segments:
             n = min(end, chunks) - start
             if n <= 0:
                 break
-            seconds = self.load_seconds(speed, n * chunk_bytes)
+            last = chunks <= end  # the load's last chunk comes from here, and its extra bytes
+            seconds = self.load_seconds(speed, n * chunk_bytes + (extra_bytes if last else 0))
             load = None if load is None or seconds is None else load + seconds
             tier = speed.tier
         if not hit_tier:  # the whole hit: name the tier its last chunk comes from

@@ -47,8 +47,11 @@ bytes to place (``load``'s sink). Its promises:
 * **Announcements.** With an event sink (``announce``: ``kvstore.events``' publisher of KV
   events for routers), every save that reached the store announces the full chunks it wrote,
   once per medium given (the store's tiers: a background-written tier is announced when the
-  save is accepted). Only text is announced: chunks from the first multimodal input on are not
-  (a router keys blocks by token ids). A sink's failure never fails a save.
+  save is accepted), or, where its caller says so (``save``'s ``announce``), the full chunks
+  of a token range: a model whose hit also needs other records (a recurrent state, a window)
+  announces a prefix only once those are stored too. Only text is announced: chunks from the
+  first multimodal input on are not (a router keys blocks by token ids). A sink's failure
+  never fails a save.
 """
 
 from __future__ import annotations
@@ -544,6 +547,7 @@ class PrefixCache:
         skip_stored: bool = True,
         namespace: Namespace | None = None,
         spans: Sequence[InputSpan] = (),
+        announce: tuple[int, int] | None = None,
     ) -> int:
         """Encode and store the chunks of ``keys``; returns how many were written.
 
@@ -555,6 +559,9 @@ class PrefixCache:
         written in any case, and so is every chunk after it (module docstring: "Healing").
         ``payload`` is called only for chunks written. ``spans``: the non-text inputs ``keys``
         were made with (they re-key chunks hashed in another key space, and end announcements).
+        ``announce=(after, upto)``: announce the chunks of ``keys`` ending in ``(after, upto]``
+        (written now or before) rather than those written; nothing when the range is empty or
+        the save failed.
         """
         ns = self.in_space(namespace or self.namespace)
         if not keys:
@@ -570,9 +577,11 @@ class PrefixCache:
         rewrite, heal = self._to_rewrite(keys)
         if rewrite is not None:
             first = min(first, rewrite)
-        if first >= len(keys):
-            return 0
         arr = tokens_to_array(tokens)
+        if first >= len(keys):
+            if announce is not None:
+                self._announce(keys, arr, first, spans, ns, announce)
+            return 0
         tag_keys = self._tag_keys(ns)
         made: list[Pieces] = []
 
@@ -602,8 +611,8 @@ class PrefixCache:
             for record in made:
                 record.release()
         items = made
-        if items and self._events is not None:
-            self._announce(keys, arr, first, spans, ns)
+        if (items or announce is not None) and self._events is not None:
+            self._announce(keys, arr, first, spans, ns, announce)
         if items and self.count_tokens:
             metrics.TOKENS_SAVED.inc(keys[-1].end - keys[first].start)
         if rewrite is not None and items:
@@ -614,10 +623,16 @@ class PrefixCache:
         return len(items)
 
     def _announce(self, keys: Sequence[ChunkKey], tokens: TokenIds, first: int, spans: Sequence[InputSpan],
-                  ns: Namespace) -> None:
+                  ns: Namespace, announce: tuple[int, int] | None = None) -> None:
         sink, until = self._events, min((s.offset for s in spans), default=None)
         if sink is None:
             return
+        if announce is not None:
+            after, upto = announce
+            if upto <= after:
+                return
+            first = next((i for i, k in enumerate(keys) if k.end > after), len(keys))
+            until = upto if until is None else min(until, upto)
         try:
             for medium in self._event_mediums:
                 sink.stored(keys, tokens, medium, first=first, until=until, cache_salt=ns.cache_salt)

@@ -114,22 +114,34 @@ def test_engine_facts_keep_every_group_and_name_each_one():
     assert build_namespace(one, opts, 0)[0].id == build_namespace(replace(one, groups=()), opts, 0)[0].id
 
 
-def test_recurrent_state_is_served_without_the_cache_and_other_kinds_are_refused():
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec
+def test_engine_facts_know_every_kind_vllm_makes_and_refuse_the_others_by_name():
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SinkFullAttentionSpec,
+        SlidingWindowMLASpec,
+    )
 
     cfg, kv = fake_vllm_config()
     full = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.bfloat16,))
-    kv.kv_cache_groups = [SimpleNamespace(kv_cache_spec=full, layer_names=[LAYERS[3]]),
-                          SimpleNamespace(kv_cache_spec=mamba, layer_names=LAYERS[:3])]
-    opts = parse_options({"store": "memory://", "chunk_tokens": 64})
-    f = engine_facts(cfg, kv, opts)
-    assert [g.kind for g in f.kv_groups] == ["full", "state"] and not f.restorable and f.stored_groups == ()
+    mamba = MambaSpec(block_size=BS, shapes=((4, 8),), dtypes=(torch.bfloat16,), mamba_cache_mode="align")
     local = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16,
                                       attention_chunk_size=128)
-    kv.kv_cache_groups = [SimpleNamespace(kv_cache_spec=local, layer_names=LAYERS)]
-    with pytest.raises(ConfigError, match="ChunkedLocalAttentionSpec"):
-        engine_facts(cfg, kv, opts)
+    kv.kv_cache_groups = [SimpleNamespace(kv_cache_spec=full, layer_names=[LAYERS[3]]),
+                          SimpleNamespace(kv_cache_spec=mamba, layer_names=LAYERS[:1]),
+                          SimpleNamespace(kv_cache_spec=local, layer_names=LAYERS[1:3])]
+    opts = parse_options({"store": "memory://", "chunk_tokens": 64})
+    f = engine_facts(cfg, kv, opts)
+    assert [(g.kind, g.window) for g in f.kv_groups] == [("full", 0), ("state", 0), ("local", 128)]
+    assert f.restorable and f.stored_groups == f.kv_groups
+    for other in (SinkFullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sink_len=4),
+                  SlidingWindowMLASpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                                       sliding_window=128)):
+        kv.kv_cache_groups = [SimpleNamespace(kv_cache_spec=full, layer_names=[LAYERS[3]]),
+                              SimpleNamespace(kv_cache_spec=other, layer_names=LAYERS[:3])]
+        with pytest.raises(ConfigError, match=type(other).__name__):
+            engine_facts(cfg, kv, opts)
 
 
 def test_mla_latents_are_stored_once_for_every_tensor_parallel_rank():
@@ -170,10 +182,13 @@ def test_mla_latents_are_stored_once_for_every_tensor_parallel_rank():
         assert torch.equal(got[target[0]].reshape(-1, 576), src[blocks[0][:8]].reshape(-1, 576))
 
 
-def test_a_model_with_recurrent_state_starts_and_bypasses_every_request():
+def test_a_model_whose_state_vllm_does_not_keep_at_block_boundaries_bypasses_every_request():
+    """Prefix caching off (mamba_cache_mode='none'): vLLM keeps one running state per request,
+    none a later prompt could resume from; the engine starts, computes every prompt, counts it."""
     store = MemoryStore()
     f = replace(facts(), groups=(KVGroup(0, "full", (LAYERS[3],), isa="vec"),
-                                 KVGroup(1, "state", tuple(LAYERS[:3]))))
+                                 KVGroup(1, "state", tuple(LAYERS[:3]), aligned=False)))
+    assert not f.restorable and f.stored_groups == ()
     sched, work = connectors(store, f)
     before = BYPASSED.value(reason="recurrent_state")
     req = fake_request("m", list(range(300)))

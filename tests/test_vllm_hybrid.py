@@ -6,17 +6,24 @@ each in its own process over one file store. The connector must keep every KV ca
 makes without it (the hybrid allocator stays on, the KV cache holds as many blocks), the reader
 must produce the writer's tokens, and:
 
-* attention hybrids (sliding windows beside full attention): the reader loads the whole stored
-  prefix, every group of it; each sliding-window group stores about a window per prompt, each
-  full-attention group every chunk;
-* recurrent-state hybrids (linear attention beside full attention): nothing is loaded or saved,
-  every request is counted as bypassed, and the tokens are vLLM's own.
+* attention hybrids (sliding windows or Llama 4's chunked local attention beside full
+  attention): the reader loads the whole stored prefix, every group of it; each windowed group
+  stores about a window per prompt, each full-attention group every chunk;
+* recurrent-state hybrids (Qwen3-Next's gated delta nets beside full attention): the reader
+  loads the whole stored prefix and the state at its end; each state group stores one state per
+  prompt; a corrupt state is a shorter hit, healed for the next reader; validly encoded noise in
+  the state changes the tokens (the loaded state is used);
+* a Mamba2 hybrid (NemotronH) runs on vLLM CPU only with prefix caching off (its align mode fails
+  in vLLM's own Mamba2 prefill checkpoint, connector or not): vLLM then keeps no state a later
+  prompt could resume from, and every request is served without the cache, counted.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import vllm_families
 import vllm_model
@@ -24,27 +31,30 @@ from test_vllm_connector import gen
 from vllm_engines import run_engine
 
 from kvstore.connectors.vllm.plan import lookup_limit, window_chunks
+from kvstore.keys import ChunkKey
+from kvstore.record import decode_record, encode_record, read_header
 from kvstore.stores import open_store
+from kvstore.testing.damage import flip_byte
 
 pytestmark = pytest.mark.vllm
 
 CHUNK = 64
 INFO = {"engine_info": True}
-#: Sliding windows beside full attention, and recurrent state (gated delta net) beside it.
-ATTENTION_HYBRIDS = ["gemma2", "gemma3", "gpt-oss"]
-STATE_HYBRIDS = ["qwen3-next"]
+#: Sliding windows (or chunked local attention: Llama 4) beside full attention.
+ATTENTION_HYBRIDS = ["gemma2", "gemma3", "gpt-oss", "llama4"]
+WINDOWED = {"SlidingWindowSpec": False, "ChunkedLocalAttentionSpec": True}  # kind -> local
 
 
 def _prompt(family: str, seed: int, length: int) -> list[int]:
     return vllm_model.prompt(seed, length, vocab=vllm_families.VOCAB)
 
 
-def _run(model: str, connector: dict | None, prompts: list[list[int]], block_size: int = 32) -> dict:
+def _run(model: str, connector: dict | None, prompts: list[list[int]], block_size: int = 32, **engine) -> dict:
     out = run_engine({"model": model, "connector": connector,
-                      "engine": {"max_model_len": 1024, "block_size": block_size},
+                      "engine": {"max_model_len": 1024, "block_size": block_size, **engine},
                       "actions": [gen(prompts), INFO]})
     generated, info = out["results"]
-    return {"tokens": generated["tokens"], **info}
+    return {"tokens": generated["tokens"], "cached": generated["cached"], **info}
 
 
 def _records_by_namespace(url: str) -> Counter[str]:
@@ -62,37 +72,101 @@ def test_attention_hybrids_keep_their_groups_and_load_every_group(family, tmp_pa
     writer = _run(model, connector, prompts)
     reader = _run(model, connector, prompts)
     groups = alone["kv_cache_groups"]
-    assert len(groups) > 1 and any(kind == "SlidingWindowSpec" for kind, _, _ in groups), groups
+    assert len(groups) > 1 and any(kind in WINDOWED for kind, _, _ in groups), groups
     assert writer["kv_cache_groups"] == reader["kv_cache_groups"] == groups  # the hybrid allocator stays on
     assert writer["num_blocks"] == alone["num_blocks"]  # and the KV cache holds as much
     assert writer["tokens"] == reader["tokens"] == alone["tokens"]
     stored = [lookup_limit(len(p), vllm_model.BLOCK_SIZE) for p in prompts]
     assert writer["kvstore"]["tokens_loaded"] == 0
     assert reader["kvstore"]["tokens_loaded"] == sum(stored)  # every stored token, in every group
-    # One namespace per group; a full group stores every chunk, a sliding one about a window.
+    # One namespace per group; a full group stores every chunk, a windowed one about a window.
     counts = sorted(_records_by_namespace(url).values())
     full_chunks = sum(-(-n // CHUNK) for n in stored)
-    windows = [w for kind, w, _ in groups if kind == "SlidingWindowSpec"]
-    window_records = [sum(len(window_chunks(n, w, vllm_model.BLOCK_SIZE, CHUNK)) for n in stored) for w in windows]
+    windows = [(w, WINDOWED[kind]) for kind, w, _ in groups if kind in WINDOWED]
+    window_records = [sum(len(window_chunks(n, w, vllm_model.BLOCK_SIZE, CHUNK, local=local)) for n in stored)
+                      for w, local in windows]
     assert len(counts) == len(groups)
     assert counts == sorted([full_chunks] * (len(groups) - len(windows)) + window_records), counts
     assert max(window_records) < full_chunks
 
 
-@pytest.mark.parametrize("family", STATE_HYBRIDS)
-def test_recurrent_state_hybrids_start_and_compute_every_prompt(family, tmp_path_factory):
+def _state_records(url: str, prompt: list[int]) -> dict[str, bytes]:
+    """The state records (dtype uint8) of the chunk that ends ``prompt``'s stored prefix."""
+    out = {}
+    with open_store(url) as store:
+        for key in store.iter_keys():
+            value = bytes(store.get(key))
+            h = read_header(value)
+            if h.dtype == "uint8" and list(h.token_ids) == prompt[h.start:h.start + h.num_tokens]:
+                out[key] = value
+    return out
+
+
+def test_recurrent_state_hybrid_loads_the_state_at_the_hits_end(tmp_path_factory):
+    """Qwen3-Next (3 gated-delta-net groups, 1 full-attention group; vLLM's align mode)."""
+    family = "qwen3-next"
     model = str(vllm_families.write_family_model(family, tmp_path_factory.mktemp(family)))
-    prompts = [_prompt(family, 43, 300)]
+    prompts = [_prompt(family, 43, 300), _prompt(family, 42, 200)]
     url = f"file://{tmp_path_factory.mktemp(family + '-kv')}"
     connector = {"store": [url], "chunk_tokens": CHUNK}
     alone = _run(model, None, prompts)
     writer = _run(model, connector, prompts)
     reader = _run(model, connector, prompts)
-    assert writer["kv_cache_groups"] == alone["kv_cache_groups"] and len(alone["kv_cache_groups"]) > 1
+    groups = alone["kv_cache_groups"]
+    assert [kind for kind, _, _ in groups] == ["MambaSpec"] * 3 + ["FullAttentionSpec"]
+    assert writer["kv_cache_groups"] == reader["kv_cache_groups"] == groups  # the hybrid allocator stays on
+    assert writer["num_blocks"] == alone["num_blocks"]
     assert writer["tokens"] == reader["tokens"] == alone["tokens"]
-    # The state groups are recomputed, so is everything: nothing stored, nothing loaded, counted.
-    assert reader["kvstore"]["tokens_loaded"] == writer["kvstore"]["tokens_saved"] == 0
-    assert reader["kvstore"]["bypassed"] == len(prompts)
+    stored = [lookup_limit(len(p), vllm_model.BLOCK_SIZE) for p in prompts]
+    assert reader["cached"] == stored and reader["kvstore"]["tokens_loaded"] == sum(stored)
+    assert writer["kvstore"]["bypassed"] == reader["kvstore"]["bypassed"] == 0
+    # Each state group stores one state per prompt (at its end: the prompts are shorter than
+    # window_interval), the full group every chunk.
+    counts = sorted(_records_by_namespace(url).values())
+    assert counts == [len(prompts)] * 3 + [sum(-(-n // CHUNK) for n in stored)], counts
+    states = _state_records(url, prompts[0])
+    assert len(states) == 3 and all(3 * 192 * 2 + 64 * 64 * 4 < len(v) < 20_000 for v in states.values())
+
+    # A corrupt state: that prompt is recomputed (a shorter hit: none), the other still hits,
+    # the tokens are vLLM's; the recompute rewrites the state and the next reader hits fully.
+    with open_store(url) as store:
+        flip_byte(store, next(iter(states)), offset=-100, mask=1)
+    damaged = _run(model, connector, prompts)
+    assert damaged["tokens"] == alone["tokens"]
+    assert damaged["cached"] == [0, stored[1]] and damaged["kvstore"]["corrupt"] == 1
+    healed = _run(model, connector, prompts)
+    assert healed["cached"] == stored and healed["tokens"] == alone["tokens"] and healed["kvstore"]["corrupt"] == 0
+
+    # Validly encoded noise in the states (the SSM part, at its own scale): loaded, and the tokens change.
+    rng = np.random.default_rng(0)
+    with open_store(url) as store:
+        for key, value in _state_records(url, prompts[0]).items():
+            h = read_header(value)
+            page = np.frombuffer(decode_record(value).kv, dtype=np.uint8).copy()
+            ssm = page[h.shapes[0][0]:].view(np.float32)
+            ssm += rng.standard_normal(ssm.size).astype(np.float32) * ssm.std()
+            chunk = ChunkKey(0, h.start, h.start + h.num_tokens, h.key, h.partial, key)
+            store.put(key, encode_record(namespace=SimpleNamespace(digest=h.namespace, format_version=h.version),
+                                         chunk=chunk, tokens=h.token_ids, dtype=h.dtype, shapes=h.shapes,
+                                         kv=page.tobytes(), chain=h.codecs))
+    noisy = _run(model, connector, prompts)
+    assert noisy["cached"] == stored and noisy["tokens"][1] == alone["tokens"][1]
+    changed = sum(x != y for x, y in zip(noisy["tokens"][0], alone["tokens"][0]))
+    assert changed >= len(alone["tokens"][0]) // 2, (noisy["tokens"][0], alone["tokens"][0])
+
+
+def test_a_mamba2_hybrid_without_prefix_caching_is_served_without_the_cache(tmp_path_factory):
+    """NemotronH (Mamba2): vLLM CPU runs it only with prefix caching off, where it keeps no state
+    at block boundaries: the connector starts, stores nothing, and counts every request."""
+    family = "nemotron-h"
+    model = str(vllm_families.write_family_model(family, tmp_path_factory.mktemp(family)))
+    prompts = [_prompt(family, 46, 300)]
+    url = f"file://{tmp_path_factory.mktemp(family + '-kv')}"
+    alone = _run(model, None, prompts, enable_prefix_caching=False)
+    served = _run(model, {"store": [url], "chunk_tokens": CHUNK}, prompts, enable_prefix_caching=False)
+    assert "MambaSpec" in [kind for kind, _, _ in alone["kv_cache_groups"]]
+    assert served["kv_cache_groups"] == alone["kv_cache_groups"] and served["tokens"] == alone["tokens"]
+    assert served["kvstore"]["bypassed"] == len(prompts) and served["kvstore"]["tokens_saved"] == 0
     assert not _records_by_namespace(url)
 
 

@@ -48,7 +48,7 @@ from typing import Any
 BLOCK_SIZE = 32
 SLIDING_WINDOW = 64
 VOCAB = 1024
-_SCHEME = 2  # bump when the weight recipe changes: rewrites existing checkpoints
+_SCHEME = 3  # bump when the weight recipe changes: rewrites existing checkpoints
 
 _COMMON: dict[str, Any] = {
     "vocab_size": VOCAB,
@@ -143,6 +143,86 @@ _CONFIGS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-06,
         "rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.25, "rope_type": "default"},
         "partial_rotary_factor": 0.25,
+        "tie_word_embeddings": False,
+    },
+    "nemotron-h": {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "num_key_value_heads": 4,
+        "intermediate_size": 512,
+        "layers_block_type": ["mamba", "mlp", "mamba", "attention", "mamba", "mlp"],
+        "mlp_hidden_act": "relu2",
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 32,
+        "ssm_state_size": 16,
+        "n_groups": 1,
+        "conv_kernel": 4,
+        "expand": 1,
+        "chunk_size": 64,
+        "use_conv_bias": True,
+        "mamba_proj_bias": False,
+        "layer_norm_epsilon": 1e-05,
+        "tie_word_embeddings": False,
+    },
+    "granitemoehybrid": {
+        "architectures": ["GraniteMoeHybridForCausalLM"],
+        "model_type": "granitemoehybrid",
+        "num_key_value_heads": 4,
+        "intermediate_size": 512,
+        "shared_intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_d_state": 16,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": 1,
+        "mamba_chunk_size": 64,
+        "position_embedding_type": "rope",
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+    },
+    "falcon-h1": {
+        "architectures": ["FalconH1ForCausalLM"],
+        "model_type": "falcon_h1",
+        "num_key_value_heads": 4,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "mamba_d_ssm": 256,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_d_state": 16,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_expand": 1,
+        "mamba_chunk_size": 64,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+    },
+    "llama4": {
+        "architectures": ["Llama4ForCausalLM"],
+        "model_type": "llama4_text",
+        "intermediate_size": 256,
+        "intermediate_size_mlp": 512,
+        "num_hidden_layers": 4,
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+        "moe_layers": [1, 3],
+        "interleave_moe_layer_step": 2,
+        "no_rope_layers": [1, 1, 1, 0],
+        "no_rope_layer_interval": 4,
+        "attention_chunk_size": 128,
+        "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
+        "use_qk_norm": True,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
         "tie_word_embeddings": False,
     },
     "deepseek-v2": {
@@ -243,6 +323,12 @@ def write_family_model(name: str, directory: str | Path, seed: int = 0, **overri
                 # (weight sqrt(hidden) - 1 under the 1 + w convention) put the layers' outputs
                 # on that scale, so the greedy tokens vary and depend on the whole context
                 param.fill_(math.sqrt(hidden) - 1)
+                continue
+            if pname.endswith("A_log") and name == "qwen3-next":
+                # transformers draws A in (0, 16): the gated delta net's state then decays within a
+                # few tokens and a wrong (or lost) state changes nothing a test could see. A of
+                # 0.002-0.02 keeps it for hundreds of tokens, as a trained model's long-memory heads do
+                param.copy_(torch.empty(param.shape).uniform_(0.002, 0.02, generator=gen).log())
                 continue
             if param.dim() < 2 or "bias" in pname.rsplit(".", 1)[-1]:
                 continue  # norms, biases, A_log, dt_bias, sinks: transformers' own init

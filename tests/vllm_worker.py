@@ -11,8 +11,8 @@ connector), ``role`` (vLLM kv_role, default kv_both), ``engine`` (extra ``LLM(..
   its result is ``{"tokens": [[...]], "cached": [num_cached_tokens...], "seconds": s}``.
 * ``{"reset_prefix_cache": true}``: empty vLLM's local prefix cache.
 * ``{"engine_info": true}`` (in-process engines only): ``{"kv_cache_groups": [[spec type,
-  sliding window, layers], ...], "num_blocks": n, "kvstore": {metric: total}}`` with kvstore's
-  counters of tokens loaded and saved and of bypassed requests.
+  sliding window or attention chunk, layers], ...], "num_blocks": n, "kvstore": {metric: total}}``
+  with kvstore's counters of tokens loaded and saved, of bypassed requests and of corrupt records.
 * ``{"metrics": true}``: ``{"metrics": {name: value}}`` of vLLM's counters and gauges (needs
   ``"engine": {"disable_log_stats": false}``).
 * ``{"wait": "NAME"}``: print ``WAITING NAME`` and block until a line arrives on stdin.
@@ -108,14 +108,15 @@ def main(spec: dict) -> dict:
 
 
 def _engine_info(llm) -> dict:
-    from kvstore.metrics.catalog import BYPASSED, TOKENS_LOADED, TOKENS_SAVED
+    from kvstore.metrics.catalog import BYPASSED, CORRUPT, TOKENS_LOADED, TOKENS_SAVED
 
     config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
-    groups = [[type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None) or 0,
-               len(g.layer_names)] for g in config.kv_cache_groups]
+    groups = [[type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None)
+               or getattr(g.kv_cache_spec, "attention_chunk_size", None) or 0, len(g.layer_names)]
+              for g in config.kv_cache_groups]
     return {"kv_cache_groups": groups, "num_blocks": config.num_blocks,
             "kvstore": {"tokens_loaded": TOKENS_LOADED.total(), "tokens_saved": TOKENS_SAVED.total(),
-                        "bypassed": BYPASSED.total()}}
+                        "bypassed": BYPASSED.total(), "corrupt": CORRUPT.total()}}
 
 
 def _mixed(llm, spec: dict, sampling_params) -> dict:

@@ -151,7 +151,8 @@ class DeviceCopies:
 
     # -- save ------------------------------------------------------------------------------
     def save(self, tokens: np.ndarray, keys: Sequence[ChunkKey], slots: torch.Tensor, hidden: HiddenOf, *,
-             from_token: int | None, namespace: Namespace | None, spans: Sequence[InputSpan]) -> int:
+             from_token: int | None, namespace: Namespace | None, spans: Sequence[InputSpan],
+             announce: tuple[int, int] | None = None) -> int:
         """``KVTransfer.save_sequence``'s writes of ``keys`` (``slots``: int64 on the device)."""
         index = {chunk.start: i for i, chunk in enumerate(keys)}
         gathered: dict[int, tuple[memoryview, Lease | None]] = {}
@@ -169,7 +170,8 @@ class DeviceCopies:
 
         try:
             with self._lock:
-                return self.cache.save(tokens, keys, payload, from_token=from_token, namespace=namespace, spans=spans)
+                return self.cache.save(tokens, keys, payload, from_token=from_token, namespace=namespace, spans=spans,
+                                       announce=announce)
         finally:
             for lease in held:
                 lease.release()

@@ -77,7 +77,8 @@ class HostCopies:
 
     # -- save ------------------------------------------------------------------------------
     def save(self, tokens: np.ndarray, keys: Sequence[ChunkKey], slots: torch.Tensor, hidden: HiddenOf, *,
-             from_token: int | None, namespace: Namespace | None, spans: Sequence[InputSpan]) -> int:
+             from_token: int | None, namespace: Namespace | None, spans: Sequence[InputSpan],
+             announce: tuple[int, int] | None = None) -> int:
         """``KVTransfer.save_sequence``'s writes of ``keys`` (``slots``: int64, every token's)."""
         # A store that keeps values past put_many would copy borrowed blocks anyway: gather once
         # into a lease it can retain. Codecs read one contiguous buffer.
@@ -103,7 +104,8 @@ class HostCopies:
             return ChunkPayload(shapes=self._shapes(chunk.num_tokens), kv=kv, hidden=data, hidden_dtype=dtype,
                                 hidden_shape=shape, owner=lease)
 
-        return self.cache.save(tokens, keys, payload, from_token=from_token, namespace=namespace, spans=spans)
+        return self.cache.save(tokens, keys, payload, from_token=from_token, namespace=namespace, spans=spans,
+                               announce=announce)
 
     def _gather(self, slots: torch.Tensor, host: torch.Tensor) -> None:
         """Copy the KV of ``slots`` in every layer into ``host`` (``_staging_shape(len(slots))``).

@@ -127,7 +127,8 @@ class KVTransfer:
     def save_sequence(self, tokens: TokenIds, slots: torch.Tensor,
                       hidden_states: torch.Tensor | None = None, start_token: int = 0,
                       namespace: Namespace | None = None, *, ends: Sequence[int] | None = None,
-                      from_token: int | None = None, spans: Sequence[InputSpan] = ()) -> int:
+                      from_token: int | None = None, spans: Sequence[InputSpan] = (),
+                      announce: tuple[int, int] | None = None) -> int:
         """Store the chunks of ``tokens`` whose KV sits at ``slots`` (one slot per token).
 
         ``hidden_states[i]`` (optional) is the hidden state of token ``start_token + i``; each
@@ -136,7 +137,8 @@ class KVTransfer:
         ``from_token`` says how far the prefix is known to be stored: chunks ending after it are
         written, no lookup is made (``PrefixCache.save``); without it, chunks already stored are
         found by one pre-check and not rebuilt or rewritten. ``namespace`` overrides the cache's
-        (same layout, e.g. another cache salt); ``spans`` are the prompt's non-text inputs.
+        (same layout, e.g. another cache salt); ``spans`` are the prompt's non-text inputs;
+        ``announce``: what to announce to the cache's event sink (``PrefixCache.save``).
         The KV at ``slots`` must not change until this returns: chunks are read from the cache
         as the store takes them (gathered, or sent from the blocks themselves). Returns the
         number of chunks written (handed to the store).
@@ -172,7 +174,7 @@ class KVTransfer:
             return tensor_bytes(h), dtype_name(h.dtype), tuple(h.shape)
 
         return self.copies.save(arr[:max(k.end for k in keys)], keys, slots, hidden, from_token=from_token,
-                                namespace=namespace, spans=spans)
+                                namespace=namespace, spans=spans, announce=announce)
 
     # -- load ------------------------------------------------------------------------------
     def load_sequence(self, tokens: TokenIds, slots: torch.Tensor,

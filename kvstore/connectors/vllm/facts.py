@@ -7,10 +7,14 @@ records of one KV cache group and the paged layout its KV is copied with.
 against.
 
 KV cache groups (vLLM's hybrid allocator): every group is one set of layers sharing a block
-table. kvstore stores and loads full-attention and sliding-window groups, each under its own
-namespace; a group of recurrent state (Mamba, gated delta net: ``kind="state"``) cannot be
-restored from per-token KV, so an engine with one recomputes every prompt (``restorable``);
-any other kind of group is refused at start-up, naming it.
+table. kvstore stores and loads each group under its own namespace: full attention and MLA
+(every chunk), sliding windows and chunked local attention (the tail a hit's next token
+attends to) and recurrent state (Mamba, gated delta nets, short convolutions, linear attention:
+``kind="state"``, the state at a chunk end, which vLLM keeps at block boundaries in its
+``mamba_cache_mode="align"``). Without align mode (prefix caching off) or with speculative
+state blocks vLLM keeps no state a later prompt could resume from, and such an engine computes
+every prompt (``restorable``). Any other kind of group, and pipeline parallelism, are refused
+at start-up, naming them.
 
 ``input_spans`` reads a request's multimodal inputs (images, audio) as the ``InputSpan``s its
 chunk keys include.
@@ -19,6 +23,7 @@ chunk keys include.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,13 +32,14 @@ from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.errors import ConfigError
 from kvstore.keys import InputSpan, Namespace, check_chunk_tokens
 from kvstore.paged import BHNCLayout, CPUPackedLayout, MLALayout, PagedLayout, dtype_name
+from kvstore.record import DTYPES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["VLLM_MINORS", "VLLM_MINOR", "SUPPORTED_VLLM", "vllm_minor", "EngineFacts", "KVGroup", "check_vllm_version", "model_fingerprint",
-           "choose_layout", "build_namespace", "engine_facts", "group_kind"]
+           "choose_layout", "build_namespace", "engine_facts", "group_kind", "STATE_LAYOUT"]
 
 #: The vLLM minor releases whose connector API this connector is written against, oldest first
 #: (the API changes between minor releases; 0.33's is 0.32's plus methods the connector leaves
@@ -81,10 +87,13 @@ def choose_layout(device_type: str, *, isa: str | None = None) -> PagedLayout:
     raise ConfigError(f"KVStoreConnector supports vLLM on cpu, cuda, rocm and xpu; this platform is {device_type!r}")
 
 
-#: The kinds of KV cache group the connector knows: ``full``, ``mla`` (a latent cache, the same
-#: on every TP rank) and ``sliding`` are stored and loaded; ``state`` (recurrent state) makes the
-#: engine recompute every prompt.
-GROUP_KINDS = ("full", "mla", "sliding", "state")
+#: The kinds of KV cache group the connector knows: ``full`` and ``mla`` (a latent cache, the same
+#: on every TP rank) store every chunk; ``sliding`` (a sliding window) and ``local`` (chunked local
+#: attention) the chunks their next token attends to; ``state`` (recurrent state) the state at a
+#: chunk end.
+GROUP_KINDS = ("full", "mla", "sliding", "local", "state")
+#: The layout name of recurrent-state records: each layer's state page, as vLLM lays it out.
+STATE_LAYOUT = "vllm-state-page"
 
 
 @dataclass(frozen=True)
@@ -95,12 +104,27 @@ class KVGroup:
     kind: str
     #: The group's layer names, in layer order.
     layers: tuple[str, ...]
-    #: Sliding-window groups: the window in tokens (attention sees the last ``window`` tokens).
+    #: Sliding-window groups: the window in tokens (attention sees the last ``window`` tokens);
+    #: chunked local attention: the attention chunk (a token sees its own chunk's tokens only).
     window: int = 0
     #: KV bytes one rank stores per token for this group's layers.
     bytes_per_token: int = 0
     #: CPU attention ISA of this group's pages (CPU only).
     isa: str | None = None
+    #: Recurrent-state groups: vLLM's state backend (e.g. ``GDN_ATTN``, ``MAMBA2``) and each state
+    #: tensor of one layer as ``(shape, dtype)``, in the order vLLM packs them into a page.
+    state_backend: str = ""
+    state_tensors: tuple[tuple[tuple[int, ...], str], ...] = ()
+    #: Recurrent-state groups: vLLM's state block size (a state is kept after every such many tokens).
+    block_size: int = 0
+    #: Recurrent-state groups: whether vLLM keeps the state at block boundaries (``align`` mode) in
+    #: block ``end // block_size - 1`` of the request's table; without it nothing can be restored.
+    aligned: bool = True
+    #: Recurrent-state groups: whether vLLM writes the state at the prompt's last whole block from
+    #: inside the step that passes it (Mamba2's prefill checkpoint) instead of ending a step there.
+    checkpoints: bool = False
+    #: Whether every TP rank holds the same cache for this group (a replicated state).
+    tp_replicated: bool = False
 
     @property
     def every_chunk(self) -> bool:
@@ -108,9 +132,25 @@ class KVGroup:
         return self.kind in ("full", "mla")
 
     @property
+    def windowed(self) -> bool:
+        """Whether a hit needs only the tail its next token attends to (sliding or chunked local)."""
+        return self.kind in ("sliding", "local")
+
+    @property
     def replicated(self) -> bool:
-        """Whether every TP rank holds the same KV for this group (MLA's latent): stored once."""
-        return self.kind == "mla"
+        """Whether every TP rank holds the same KV for this group (MLA's latent, a replicated
+        state): stored once."""
+        return self.kind == "mla" or self.tp_replicated
+
+    @property
+    def state_tensor_bytes(self) -> tuple[int, ...]:
+        """Recurrent-state groups: the byte length of each state tensor of one layer."""
+        return tuple(math.prod(shape) * DTYPES[dtype] for shape, dtype in self.state_tensors)
+
+    @property
+    def state_bytes(self) -> int:
+        """Recurrent-state groups: the bytes of one state of every layer (one rank)."""
+        return sum(self.state_tensor_bytes) * len(self.layers)
 
 
 @dataclass(frozen=True)
@@ -150,31 +190,45 @@ class EngineFacts:
 
     @property
     def restorable(self) -> bool:
-        """Whether a stored prefix can stand in for computing it: no group holds recurrent state."""
-        return all(g.kind != "state" for g in self.kv_groups)
+        """Whether a stored prefix can stand in for computing it: every recurrent-state group keeps
+        its state at block boundaries (vLLM's align mode)."""
+        return all(g.kind != "state" or g.aligned for g in self.kv_groups)
 
     @property
     def stored_groups(self) -> tuple[KVGroup, ...]:
-        """The groups whose KV is stored and loaded (every group, when ``restorable``)."""
-        return tuple(g for g in self.kv_groups if g.kind != "state") if self.restorable else ()
+        """The groups whose KV (or state) is stored and loaded: every group when ``restorable``,
+        none otherwise."""
+        return self.kv_groups if self.restorable else ()
 
 
 def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int,
-                    group: KVGroup | None = None) -> tuple[Namespace, PagedLayout]:
+                    group: KVGroup | None = None) -> tuple[Namespace, PagedLayout | None]:
     """The namespace of one TP rank's records of one KV cache group (default: the first), and
-    the layout its records are copied with.
+    the layout its records are copied with (None for a recurrent-state group: its records hold
+    state pages, ``kvstore.paged.StateTransfer``).
 
     An engine with one KV cache group keeps the namespace it always had; with several, each
     group's namespace names the group (its index, kind, window and layers), so a model's groups
-    never share a record, and engines that group layers differently never share one either.
+    never share a record, and engines that group layers differently never share one either. A
+    recurrent-state group's also names the state (vLLM's backend, every state tensor's shape and
+    dtype) and vLLM's release, so a state record is never read as KV nor as another state.
     """
     check_chunk_tokens(opts.chunk_tokens, facts.block_size)
     groups = facts.kv_groups
     g = group or groups[0]
-    layout = MLALayout() if g.kind == "mla" else choose_layout(facts.device_type, isa=g.isa if facts.groups else facts.isa)
     extra = [("engine", "vllm"), ("backend", facts.backend), ("kv_cache_layout", facts.kv_cache_layout)]
-    if layout.granularity == "block":
-        extra.append(("vllm_minor", facts.vllm_release))  # packed page formats may change between releases
+    layout: PagedLayout | None = None
+    if g.kind == "state":
+        layout_name, kv_dtype, block_size = STATE_LAYOUT, "uint8", g.block_size or facts.block_size
+        extra.append(("vllm_minor", facts.vllm_release))  # vLLM's state pages may change between releases
+        extra.append(("state", g.state_backend + ":" + ",".join(f"{dtype}{list(shape)}"
+                                                               for shape, dtype in g.state_tensors)))
+    else:
+        layout = MLALayout() if g.kind == "mla" else choose_layout(facts.device_type,
+                                                                   isa=g.isa if facts.groups else facts.isa)
+        layout_name, kv_dtype, block_size = layout.name, facts.kv_dtype, facts.block_size
+        if layout.granularity == "block":
+            extra.append(("vllm_minor", facts.vllm_release))  # packed page formats may change between releases
     num_layers = facts.num_layers
     if len(groups) > 1:
         layers = hashlib.sha256("\n".join(g.layers).encode()).hexdigest()[:16]
@@ -185,7 +239,7 @@ def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int
     else:
         tp_size = facts.tp_size
     ns = Namespace(
-        model=facts.model, kv_dtype=facts.kv_dtype, layout=layout.name, block_size=facts.block_size,
+        model=facts.model, kv_dtype=kv_dtype, layout=layout_name, block_size=block_size,
         chunk_tokens=opts.chunk_tokens, layer_start=0, layer_end=num_layers,
         tp_rank=tp_rank, tp_size=tp_size, model_fingerprint=facts.fingerprint, extra=tuple(extra),
     )
@@ -193,22 +247,58 @@ def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int
 
 
 def group_kind(spec: Any) -> str:
-    """``full``, ``mla``, ``sliding`` or ``state`` for one of vLLM's KV cache specs; ConfigError
-    naming any other kind (its layout is not one kvstore copies: sparse or sliding MLA,
-    chunked-local or sink attention, encoder caches...)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+    """``full``, ``mla``, ``sliding``, ``local`` or ``state`` for one of vLLM's KV cache specs;
+    ConfigError naming any other kind (its layout is not one kvstore copies: sparse or sliding
+    MLA, sink attention, encoder caches...)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
-    if isinstance(spec, MambaSpec):
+    if type(spec) is MambaSpec:
         return "state"
-    if type(spec) is FullAttentionSpec:
+    if type(spec) is FullAttentionSpec:  # vLLM keeps the whole context (whatever window its layers use)
         return "full"
     if type(spec) is MLAAttentionSpec:
         return "mla"
     if type(spec) is SlidingWindowSpec:
         return "sliding"
+    if type(spec) is ChunkedLocalAttentionSpec:
+        return "local"
     raise ConfigError(f"KVStoreConnector does not support KV cache groups of type {type(spec).__name__} "
-                      f"(it stores full-attention and sliding-window groups; docs/vllm.md lists the "
-                      f"supported model families)")
+                      f"(it stores full-attention, MLA, sliding-window, chunked-local-attention and "
+                      f"recurrent-state groups; docs/vllm.md lists the supported model families)")
+
+
+def _state_group(index: int, spec: Any, layers: tuple[str, ...], opts: VLLMConnectorOptions,
+                 block_size: int) -> KVGroup:
+    """A recurrent-state group (vLLM's ``MambaSpec``), its chunk alignment checked: a state is
+    stored at chunk ends, so ``chunk_tokens`` and the attention block size (where a prompt's
+    last hit ends) must be multiples of vLLM's state block size."""
+    state_block = int(spec.block_size)
+    aligned = getattr(spec, "mamba_cache_mode", "none") == "align" and not getattr(spec, "num_speculative_blocks", 0)
+    if aligned:
+        for what, value in (("chunk_tokens", opts.chunk_tokens), ("the attention block size", block_size)):
+            if value % state_block:
+                raise ConfigError(
+                    f"KVStoreConnector stores recurrent state at chunk ends, and {what}={value} cannot line up "
+                    f"with vLLM's mamba block size {state_block} (KV cache group {index}): use a multiple of "
+                    f"{state_block}")
+    backend = getattr(spec, "mamba_type", None)
+    unknown = sorted({dtype_name(d) for d in spec.dtypes} - DTYPES.keys())
+    if unknown:
+        raise ConfigError(f"KVStoreConnector cannot store recurrent state of dtype {unknown} (KV cache group {index}); "
+                          f"accepted: {', '.join(DTYPES)}")
+    return KVGroup(
+        index=index, kind="state", layers=layers, block_size=state_block,
+        state_backend=str(getattr(backend, "name", backend)),
+        state_tensors=tuple((tuple(int(d) for d in shape), dtype_name(dtype))
+                            for shape, dtype in zip(spec.shapes, spec.dtypes)),
+        aligned=aligned, checkpoints=int(getattr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0,
+        tp_replicated=bool(getattr(spec, "tp_replicated", False)))
 
 
 def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: VLLMConnectorOptions) -> EngineFacts:
@@ -219,8 +309,11 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
-        raise ConfigError("KVStoreConnector does not support pipeline parallelism (pipeline_parallel_size > 1): "
-                          "each stage would need its own layer range and a hit every stage's records")
+        raise ConfigError(
+            f"KVStoreConnector does not support pipeline parallelism (pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}): vLLM gives the scheduler's connector the KV cache layers of "
+            f"the first stage only, so it cannot name the other stages' records, nor check that a hit has every "
+            f"stage's. Use pipeline_parallel_size=1 (tensor parallelism is supported); docs/vllm.md, Model families")
     from vllm.model_executor.models.utils import extract_layer_index
 
     vllm_groups = kv_cache_config.kv_cache_groups
@@ -234,15 +327,21 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         return str(_get_attn_isa(model_config.dtype, int(spec.block_size), getattr(spec, "head_size", None),
                                  vllm_config.cache_config.cache_dtype))
 
+    attention_block = next((int(vg.kv_cache_spec.block_size) for vg in vllm_groups
+                            if not _is_state(vg.kv_cache_spec)), int(getattr(vllm_config.cache_config, "block_size", 0) or 0))
     groups = []
     for index, vg in enumerate(vllm_groups):
         spec = vg.kv_cache_spec
         kind = group_kind(spec)
         layers = tuple(sorted(vg.layer_names, key=lambda n: (extract_layer_index(n), n)))
+        if kind == "state":
+            groups.append(_state_group(index, spec, layers, opts, attention_block))
+            continue
+        window = getattr(spec, "attention_chunk_size" if kind == "local" else "sliding_window", 0)
         groups.append(KVGroup(
-            index=index, kind=kind, layers=layers, window=int(getattr(spec, "sliding_window", 0) or 0),
+            index=index, kind=kind, layers=layers, window=int(window or 0),
             bytes_per_token=int(getattr(spec, "page_size_bytes", 0) or 0) * len(layers) // int(spec.block_size),
-            isa=isa_of(spec) if kind != "state" else None))
+            isa=isa_of(spec)))
     attention = [g for g in groups if g.kind != "state"]
     first = attention[0] if attention else groups[0]
     spec = vllm_groups[first.index].kv_cache_spec
@@ -278,6 +377,12 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         mm_hashed=_mm_content_hashed(vllm_config),
         data_parallel_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
     )
+
+
+def _is_state(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
 
 
 def _mm_content_hashed(vllm_config: VllmConfig) -> bool:

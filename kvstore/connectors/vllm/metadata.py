@@ -35,8 +35,10 @@ class SaveSpec:
     """After this step's forward, save the prefixes ``tokens[:e]`` for ``e`` in ``ends``: the
     chunks ending after ``start``, without asking the store which are there (the scheduler knows
     how far the request is saved; a plan that must rewrite a stretch sets ``start`` before it).
-    ``block_ids``: one list per stored KV cache group. Sliding-window groups store only the
-    window before each of ``window_ends`` (a subset of ``ends``)."""
+    ``block_ids``: one list per stored KV cache group. Sliding-window and chunked-local groups
+    store only the window before each of ``window_ends``, recurrent-state groups the state at
+    each of ``state_ends`` (subsets of ``ends``). ``announce``: the token range ``(after, upto]``
+    whose full chunks the KV events announce (None: the chunks written)."""
 
     req_id: str
     tokens: list[int]
@@ -46,6 +48,8 @@ class SaveSpec:
     start: int = 0
     window_ends: list[int] = field(default_factory=list)
     spans: tuple[InputSpan, ...] = ()
+    state_ends: list[int] = field(default_factory=list)
+    announce: tuple[int, int] | None = None
 
 
 @dataclass

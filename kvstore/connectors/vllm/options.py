@@ -106,10 +106,12 @@ class VLLMConnectorOptions:
     switch_interval: float = switch_interval_option()
     land_in_cache: bool = land_in_cache_option()
     window_interval: int = option(
-        2048, lo=0, hi=MAX_TOKENS, help="Sliding-window KV cache groups (Gemma 2/3, gpt-oss...) store the window before a "
-        "prompt's last hittable end and before the first chunk end at or past every multiple of this many "
-        "tokens (0: the prompt's end only), so prompts that share a long prefix hit at the last such end "
-        "before they differ; what such a group stores per prompt is its window times the number of those ends.")
+        2048, lo=0, hi=MAX_TOKENS, help="Sliding-window and chunked-local-attention KV cache groups (Gemma 2/3, "
+        "gpt-oss, Llama 4...) store the window before a prompt's last hittable end and before the first chunk end "
+        "at or past every multiple of this many tokens (0: the prompt's end only), so prompts that share a long "
+        "prefix hit at the last such end before they differ; recurrent-state groups (Qwen3-Next, Mamba hybrids...) "
+        "store the state at those of the same ends where a prefill step of vLLM's ends. What such a group stores "
+        "per prompt is its window (or one state) times the number of those ends.")
     kv_events_endpoint: str = option(
         "", help="Publish KV events for routers (docs/routing.md): BlockStored for what this engine saves, "
         "BlockRemoved for its tiers' evictions, in vLLM's wire format on this ZMQ PUB address (e.g. "

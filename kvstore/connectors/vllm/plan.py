@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = ["lookup_limit", "external_tokens", "save_ends", "failed_blocks", "blocks_for", "window_start",
-           "window_chunks", "window_ends", "servable_ends"]
+           "window_chunks", "window_ends", "servable_ends", "state_ends", "state_block"]
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -51,24 +51,30 @@ def failed_blocks(block_ids: Sequence[int], block_size: int, present: int, end: 
     return list(block_ids[present // block_size:blocks_for(end, block_size)])
 
 
-# -- sliding-window groups -------------------------------------------------------------------------
-# A sliding-window layer attends to the last ``window`` tokens only, and vLLM frees the blocks
-# before that (its block table holds the null block there). A hit ending at ``end`` therefore needs
-# such a group's KV only from ``window_start(end)``: the records of the chunks overlapping that
-# tail. Writers store those tails at a few ends only (``window_ends``), so what a sliding-window
-# group stores per prompt is bounded by its window, not by the prompt.
+# -- sliding-window and chunked-local-attention groups ------------------------------------------------
+# A sliding-window layer attends to the last ``window`` tokens only, and a chunked-local-attention
+# layer (Llama 4) to the tokens of its own attention chunk of ``window`` tokens; vLLM frees the
+# blocks before that (its block table holds the null block there). A hit ending at ``end``
+# therefore needs such a group's KV only from ``window_start(end)``: the records of the chunks
+# overlapping that tail. Writers store those tails at a few ends only (``window_ends``), so what
+# such a group stores per prompt is bounded by its window, not by the prompt.
 
 
-def window_start(end: int, window: int, block_size: int) -> int:
+def window_start(end: int, window: int, block_size: int, *, local: bool = False) -> int:
     """First token (block-aligned) a sliding-window group needs for a hit ending at ``end``: the
-    start of the block holding the oldest token the next one attends to (vLLM keeps that block)."""
+    start of the block holding the oldest token the next one attends to (vLLM keeps that block).
+    ``local``: a chunked-local-attention group, whose next token attends from the start of its
+    attention chunk (``end`` itself when a new attention chunk begins there: nothing needed)."""
+    if local:
+        return end // window * window // block_size * block_size
     return max(0, end - window + 1) // block_size * block_size
 
 
-def window_chunks(end: int, window: int, block_size: int, chunk_tokens: int) -> range:
-    """Indexes of the chunks a sliding-window group needs for a hit ending at ``end`` (a chunk end)."""
+def window_chunks(end: int, window: int, block_size: int, chunk_tokens: int, *, local: bool = False) -> range:
+    """Indexes of the chunks a sliding-window (or ``local``) group needs for a hit ending at
+    ``end`` (a chunk end)."""
     last = -(-end // chunk_tokens)
-    return range(window_start(end, window, block_size) // chunk_tokens, last)
+    return range(window_start(end, window, block_size, local=local) // chunk_tokens, last)
 
 
 def window_ends(ends: Sequence[int], num_prompt_tokens: int, block_size: int, chunk_tokens: int,
@@ -82,12 +88,38 @@ def window_ends(ends: Sequence[int], num_prompt_tokens: int, block_size: int, ch
 
 
 def servable_ends(ends: Sequence[int], present: Sequence[bool], window: int, block_size: int,
-                  chunk_tokens: int) -> set[int]:
-    """The chunk ends (``ends[i]``: end of chunk i) at which a sliding-window group can serve a
-    hit, given which of its chunk records are ``present``."""
+                  chunk_tokens: int, *, local: bool = False) -> set[int]:
+    """The chunk ends (``ends[i]``: end of chunk i) at which a sliding-window (or ``local``) group
+    can serve a hit, given which of its chunk records are ``present``."""
     out = set()
     for end in ends:
-        need = window_chunks(end, window, block_size, chunk_tokens)
+        need = window_chunks(end, window, block_size, chunk_tokens, local=local)
         if need.stop <= len(present) and all(present[i] for i in need):
             out.add(end)
     return out
+
+
+# -- recurrent-state groups ---------------------------------------------------------------------------
+# A recurrent layer's state after token t depends on every token before it, so a hit ending at
+# ``end`` needs the state after exactly ``end`` tokens. vLLM's ``mamba_cache_mode="align"`` keeps
+# it in block ``end // block_size - 1`` of the request's state table (``state_block``), but only
+# where a step ended (vLLM ends prefill steps at block boundaries there) or, for Mamba2's prefill
+# checkpoints, at the prompt's last whole block inside the step that passes it. The state is
+# gathered in that step (``state_ends``), at the same few ends as the sliding windows' tails
+# (``window_ends``), so what a state group stores per prompt is bounded, never one state per block.
+
+
+def state_block(block_ids: Sequence[int], end: int, block_size: int) -> int:
+    """The block of a request's state table that holds the state after ``end`` tokens."""
+    return int(block_ids[end // block_size - 1])
+
+
+def state_ends(ends: Sequence[int], num_prompt_tokens: int, computed_before: int, computed_after: int, *,
+               block_size: int, chunk_tokens: int, interval: int, checkpoints: bool) -> list[int]:
+    """Which of a step's save ``ends`` also store the recurrent state: those of ``window_ends``
+    (the prompt's last hittable end, the first chunk end at or after each multiple of
+    ``interval``) whose state the step leaves in the state table: the step's own end
+    (``computed_after``), or, with ``checkpoints``, the prompt's last hittable end inside the step."""
+    limit = lookup_limit(num_prompt_tokens, block_size)
+    return [e for e in window_ends(ends, num_prompt_tokens, block_size, chunk_tokens, interval)
+            if e == computed_after or (checkpoints and e == limit and computed_before < e < computed_after)]

@@ -19,12 +19,15 @@ Nothing here waits on the network beyond ``lookup_wait``:
   from ``update_state_after_alloc``) and which requests save which prefixes: a chunk is saved in
   the step that completes it, so with chunked prefill a long prompt is saved chunk by chunk.
 * **KV cache groups** (vLLM's hybrid allocator stays on): each full-attention group stores every
-  chunk, each sliding-window group only the chunks of the window before a few ends
-  (``plan.window_ends``: the prompt's last hittable end and every ``window_interval`` tokens).
-  A hit is the longest prefix every group can serve: the full groups' leading chunks, ending
-  where every sliding-window group holds the window before it. A model with recurrent-state
-  groups (Mamba, gated delta net) is served without the cache: kvstore cannot restore that state,
-  and a hit without it would be wrong.
+  chunk, each sliding-window (or chunked-local-attention) group only the chunks of the window
+  before a few ends (``plan.window_ends``: the prompt's last hittable end and every
+  ``window_interval`` tokens), each recurrent-state group (Mamba, gated delta net) the state at
+  those of the same ends where vLLM holds it (``plan.state_ends``). A hit is the longest prefix
+  every group can serve: the full groups' leading chunks, ending where every windowed group holds
+  the window before it and every state group the state at it (one existence check for all).
+  KV events announce a prefix once every group stores what such a hit needs. A model whose
+  state vLLM does not keep at block boundaries (prefix caching off) is served without the cache:
+  a hit without its state would be wrong.
   With ``save_mode="async"`` a finished request that had saves planned keeps its blocks until
   the worker has gathered them (``request_finished`` answers True).
 """
@@ -49,6 +52,7 @@ from kvstore.connectors.vllm.plan import (
     lookup_limit,
     save_ends,
     servable_ends,
+    state_ends,
     window_chunks,
     window_ends,
     window_start,
@@ -122,9 +126,10 @@ class SchedulerSide:
         self.groups = facts.stored_groups
         self._bypass = "" if facts.restorable else "recurrent_state"
         if self._bypass:
-            log.warning("KVStoreConnector: %s keeps recurrent state (KV cache groups %s) that kvstore cannot "
-                        "restore: every prompt is computed, nothing is loaded or saved", facts.model,
-                        [g.index for g in facts.kv_groups if g.kind == "state"])
+            log.warning("KVStoreConnector: %s keeps recurrent state (KV cache groups %s) that vLLM does not keep at "
+                        "block boundaries (it does with prefix caching on, mamba_cache_mode='align', and no "
+                        "speculative state blocks): every prompt is computed, nothing is loaded or saved", facts.model,
+                        [g.index for g in facts.kv_groups if g.kind == "state" and not g.aligned])
             loads = saves = False
         self.do_load, self.do_save = loads, saves
         self._mm_hashed = facts.mm_hashed
@@ -142,8 +147,15 @@ class SchedulerSide:
                              for group in self.groups]
         self.caches = self.group_caches[0] if self.group_caches else []  # the first group's, per rank
         self._full = [i for i, g in enumerate(self.groups) if g.every_chunk]
-        self._sliding = [i for i, g in enumerate(self.groups) if g.kind == "sliding"]
+        self._windowed = [i for i, g in enumerate(self.groups) if g.windowed]
+        self._state = [i for i, g in enumerate(self.groups) if g.kind == "state"]
+        self._checkpoints = bool(self._state) and all(self.groups[i].checkpoints for i in self._state)
         self.chunk_bytes = facts.bytes_per_token * opts.chunk_tokens
+        # What a hit loads beside its chunks (one rank): each state group's state at its end, each
+        # windowed group's window (and the chunk it starts in).
+        self.hit_bytes = (sum(self.groups[i].state_bytes for i in self._state)
+                          + sum(self.groups[i].bytes_per_token * (self.groups[i].window + opts.chunk_tokens)
+                                for i in self._windowed))
         self.cost = CostModel(opts.load_policy)
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="kvstore-lookup")
         self._lock = threading.Lock()
@@ -154,6 +166,7 @@ class SchedulerSide:
         self._loading: dict[str, LoadSpec] = {}  # background loads not yet reported done (aborted ones too)
         self._failed: set[str] = set()  # requests whose load failed: recomputed, never offered a hit again
         self._saved_upto: dict[str, int] = {}
+        self._announced: dict[str, int] = {}  # req -> tokens the KV events announced (hybrid models)
         self._planned_saves: set[str] = set()  # requests a SaveSpec went out for (the worker knows them too)
         self._step = 0
         # Router lookups (docs/lookup.md): the metrics server answers for this engine's namespace.
@@ -174,17 +187,18 @@ class SchedulerSide:
 
     def chunk_keys(self, tokens: TokenIds, salt: str = "", spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
         """Keys of every chunk a hit on ``tokens`` (with the multimodal inputs ``spans``) needs
-        from the groups that store every chunk (full attention; a model of sliding windows only:
-        the window before the prompt's end), for every TP rank."""
+        from the groups that store every chunk (full attention; a model of windows only: the
+        window before the prompt's end), for every TP rank."""
         arr = list(tokens)
         limit = lookup_limit(len(arr), self.block_size)
         out: list[ChunkKey] = []
-        for i in self._full or self._sliding:
+        for i in self._full or self._windowed:
+            g = self.groups[i]
             for cache in self.group_caches[i]:
                 keys = cache.keys(arr[:limit], namespace=cache.namespace.with_salt(salt), spans=spans)
                 if not self._full and keys:
-                    keys = [keys[j] for j in window_chunks(keys[-1].end, self.groups[i].window, self.block_size,
-                                                           self.opts.chunk_tokens)]
+                    keys = [keys[j] for j in window_chunks(keys[-1].end, g.window, self.block_size,
+                                                           self.opts.chunk_tokens, local=g.kind == "local")]
                 out.extend(keys)
         return out
 
@@ -208,30 +222,42 @@ class SchedulerSide:
         servable = self._servable(keyed, max(per_tier))
         if not servable:
             return _Answer()
+        # Each tier's leading chunks, cut back to the last end every group can serve there: the
+        # cost model weighs only loads that can be hits.
+        usable = [max((j + 1 for j in range(n) if keys[j].end in servable), default=0) for n in per_tier]
         speeds = [t.speed for t in self.store.tiers]
-        plan = self.cost.plan(list(zip(speeds, per_tier)), [k.num_tokens for k in keys], self.chunk_bytes)
+        plan = self.cost.plan(list(zip(speeds, usable)), [k.num_tokens for k in keys], self.chunk_bytes,
+                              extra_bytes=self.hit_bytes)
         hit = max((keys[i].end for i in range(plan.chunks) if keys[i].end in servable), default=0)
-        everywhere = min(per_tier) if self._full else 0
+        # Stored everywhere, and servable: a save never rewrites it. (A prefix the full groups hold
+        # in every tier but no group can serve at its end is saved again: its window or state heals.)
+        everywhere = min(usable) if self._full else 0
         return _Answer(hit, keys[everywhere - 1].end if everywhere else 0)
 
     def _servable(self, keyed: dict[int, list[list[ChunkKey]]], count: int) -> set[int]:
-        """Ends among the first ``count`` chunks at which every sliding-window group holds the
-        window before the end (every end, without such groups). One existence check for all."""
+        """Ends among the first ``count`` chunks at which every windowed group holds the window
+        before the end and every state group the state at it (every end, without such groups).
+        One existence check for all."""
         ends = [k.end for k in keyed[0][0][:count]]
-        if not self._sliding:
+        limited = self._windowed + self._state
+        if not limited:
             return set(ends)
-        asked = [(self.groups[i], shard[:count]) for i in self._sliding for shard in keyed[i]]
+        asked = [(self.groups[i], shard[:count]) for i in limited for shard in keyed[i]]
         try:
             present = self.store.exists_many([k.key for _, shard in asked for k in shard])
         except KVStoreError as exc:
-            log.debug("lookup of sliding-window records failed: %s", exc)
+            log.debug("lookup of window and state records failed: %s", exc)
             LOOKUP_FAILURES.inc(reason="error")
             return set()
         servable = set(ends)
         pos = 0
         for group, shard in asked:
-            servable &= servable_ends(ends, present[pos:pos + len(shard)], group.window, self.block_size,
-                                      self.opts.chunk_tokens)
+            held = present[pos:pos + len(shard)]
+            if group.kind == "state":  # the state at exactly that end
+                servable &= {e for e, here in zip(ends, held) if here}
+            else:
+                servable &= servable_ends(ends, held, group.window, self.block_size, self.opts.chunk_tokens,
+                                          local=group.kind == "local")
             pos += len(shard)
         return servable
 
@@ -364,9 +390,11 @@ class SchedulerSide:
             source = prompt if top <= len(prompt) or tokens is None else tokens
             used = blocks_for(top, self.block_size)
             blocks = [ids[:used] for ids in self._group_ids(self._block_ids(req_id))]
+            windows = self._window_ends(ends, len(prompt), num_computed)
+            states = self._state_ends(ends, len(prompt), num_computed, after)
             meta.saves.append(SaveSpec(req_id, list(source[:top]), blocks, ends, request.cache_salt or "",
-                                       start=done, window_ends=self._window_ends(ends, len(prompt), num_computed),
-                                       spans=spans))
+                                       start=done, window_ends=windows, spans=spans, state_ends=states,
+                                       announce=self._announce(req_id, ends, windows, states)))
             decoded = sum(1 for e in ends if e > len(prompt))
             if decoded:
                 DECODE_CHUNKS.inc(decoded)
@@ -374,16 +402,39 @@ class SchedulerSide:
             self._planned_saves.add(req_id)
 
     def _window_ends(self, ends: list[int], num_prompt_tokens: int, num_computed: int) -> list[int]:
-        """Of a save's ``ends``, those at which the sliding-window groups store their window:
+        """Of a save's ``ends``, those at which the windowed groups store their window:
         ``plan.window_ends``, and only where vLLM still holds every block of that window
-        (it frees a sliding-window group's blocks before the window of the step's first token)."""
-        if not self._sliding:
+        (it frees a windowed group's blocks before the window of the step's first token)."""
+        if not self._windowed:
             return []
-        held = {i: window_start(num_computed, self.groups[i].window, self.block_size) for i in self._sliding}
+        local = {i: self.groups[i].kind == "local" for i in self._windowed}
+        held = {i: window_start(num_computed, self.groups[i].window, self.block_size, local=local[i])
+                for i in self._windowed}
         chunk = self.opts.chunk_tokens
         return [e for e in window_ends(ends, num_prompt_tokens, self.block_size, chunk, self.opts.window_interval)
-                if all(window_chunks(e, self.groups[i].window, self.block_size, chunk).start * chunk >= held[i]
-                       for i in self._sliding)]
+                if all(window_chunks(e, self.groups[i].window, self.block_size, chunk, local=local[i]).start * chunk
+                       >= held[i] for i in self._windowed)]
+
+    def _state_ends(self, ends: list[int], num_prompt_tokens: int, before: int, after: int) -> list[int]:
+        """Of a save's ``ends``, those at which the state groups store their state (``plan.state_ends``)."""
+        if not self._state:
+            return []
+        return state_ends(ends, num_prompt_tokens, before, after, block_size=self.block_size,
+                          chunk_tokens=self.opts.chunk_tokens, interval=self.opts.window_interval,
+                          checkpoints=self._checkpoints)
+
+    def _announce(self, req_id: str, ends: list[int], windows: list[int], states: list[int]) -> tuple[int, int] | None:
+        """What a save's KV events announce: its written chunks (None) when every group stores
+        every chunk; else the prefix up to the last of its ends where every windowed and state
+        group stores its part too (from where the request's last announcement ended)."""
+        if not self._windowed and not self._state:
+            return None
+        served = [e for e in ends if (not self._windowed or e in windows) and (not self._state or e in states)]
+        after = self._announced.get(req_id, 0)
+        upto = max(served, default=0)
+        if upto > after:
+            self._announced[req_id] = upto
+        return after, max(after, upto)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._learn(connector_output)
@@ -392,8 +443,9 @@ class SchedulerSide:
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             spec = self._loading.pop(req_id, None)
             if spec is not None and req_id not in failed and not invalid.intersection(spec.block_ids[0]):
-                # Those chunks are in the store: nothing before spec.end needs saving again.
+                # Those chunks are in the store (and were announced): nothing before spec.end needs saving again.
                 self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), spec.end)
+                self._announced[req_id] = max(self._announced.get(req_id, 0), spec.end)
         for req_id in failed:
             self._failed.add(req_id)
             self._saved_upto[req_id] = 0
@@ -414,7 +466,8 @@ class SchedulerSide:
         req_id = request.request_id
         had_saves = req_id in self._planned_saves
         self._planned_saves.discard(req_id)
-        for table in (self._requests, self._lookups, self._local_hit, self._pending, self._saved_upto):
+        for table in (self._requests, self._lookups, self._local_hit, self._pending, self._saved_upto,
+                      self._announced):
             table.pop(req_id, None)
         self._failed.discard(req_id)
         # A background load still running keeps its entry until the worker reports it (vLLM keeps

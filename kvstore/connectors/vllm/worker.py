@@ -16,12 +16,14 @@
   request that had a SaveSpec), and a preempted request's pending gathers finish in
   ``handle_preemptions`` before its blocks can be overwritten. A full save queue drops the save
   (counted), never blocks the engine.
-* **KV cache groups**: one ``KVTransfer`` per stored group over that group's layers; a load
-  fills every group (a sliding-window group from the start of its window only) and counts as
-  far as the shortest; with several groups a failed load is reported as a failed request
+* **KV cache groups**: one ``KVTransfer`` per stored group over that group's layers (a
+  ``StateTransfer`` for a recurrent-state group); a load fills every group (a sliding-window or
+  chunked-local group from the start of its window only, a state group with the state at the
+  hit's end, in the block vLLM allocated for the hit's last block) and counts only if every
+  group loaded; with several groups a failed load is reported as a failed request
   (``failed_loads``: vLLM cannot map block ids of several groups back to requests) and recomputed.
-  A sliding-window group's window is gathered inside the step, whatever ``save_mode``: vLLM
-  frees those blocks as the request moves on, so a background gather could read reused ones.
+  Windows and states are gathered inside the step, whatever ``save_mode``: vLLM frees (or
+  moves on from) those blocks as the request moves on, so a background gather could read reused ones.
 * **After a failed synchronous load** the blocks from the failure on hold no valid KV until vLLM
   recomputes them: saves covering them, or the request, are refused when they were planned before
   the scheduler learned of the failure (the step that failed, plus ``lag`` steps planned ahead
@@ -45,12 +47,12 @@ from kvstore.connectors.vllm.facts import EngineFacts, build_namespace
 from kvstore.connectors.vllm.measure import WorkerMeasurements
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
-from kvstore.connectors.vllm.plan import blocks_for, failed_blocks, window_chunks, window_start
+from kvstore.connectors.vllm.plan import blocks_for, failed_blocks, state_block, window_chunks, window_start
 from kvstore.errors import ConfigError
 from kvstore.events import KVEventPublisher, mediums
 from kvstore.keys import ChunkKey
 from kvstore.metrics.catalog import SAVE_DROPS
-from kvstore.paged import KVTransfer, dtype_name, slots_from_block_table
+from kvstore.paged import KVTransfer, StateTransfer, dtype_name, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
 from kvstore.record import Record
 from kvstore.stores import Store, shared  # noqa: F401 - shared's exit hook must be registered before ours
@@ -102,9 +104,9 @@ class WorkerSide:
         self.block_size = facts.block_size
         self.groups = facts.stored_groups
         # A failed load is reported per request (and recomputed whole) when block ids cannot say
-        # what failed: several groups' ids overlap, and a sliding-window group's earlier blocks are
-        # already gone (recomputing from a later block would need them).
-        self._failures_by_request = len(self.groups) > 1 or any(g.kind == "sliding" for g in self.groups)
+        # what failed: several groups' ids overlap, a windowed group's earlier blocks are already
+        # gone (recomputing from a later block would need them), and a state is all or nothing.
+        self._failures_by_request = len(self.groups) > 1 or any(not g.every_chunk for g in self.groups)
         if self._failures_by_request and opts.load_mode == "sync":
             raise ConfigError(f"load_mode='sync' needs a model with one full-attention KV cache group; this one has "
                               f"{[g.kind for g in self.groups]} (vLLM recovers a failed synchronous load by block "
@@ -112,11 +114,14 @@ class WorkerSide:
         spaces = [build_namespace(facts, opts, tp_rank, g) for g in self.groups]
         self.namespaces = [ns for ns, _ in spaces]
         self._layouts = [layout for _, layout in spaces]
-        # Per stored group, one transfer for the step's own work and one per background thread (a
-        # transfer holds per-thread staging).
-        self.transfers: list[KVTransfer] = []
-        self._loaders: list[KVTransfer] = []
-        self._savers: list[KVTransfer] = []
+        # Per stored KV group, one transfer for the step's own work and one per background thread
+        # (a transfer holds per-thread staging); None for a state group, whose StateTransfer
+        # (``states``, by group position) holds none.
+        self.transfers: list[KVTransfer | None] = []
+        self._loaders: list[KVTransfer | None] = []
+        self._savers: list[KVTransfer | None] = []
+        self.states: dict[int, StateTransfer] = {}
+        self._registered = False
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
         self._loads: dict[str, _Load] = {}
@@ -139,8 +144,8 @@ class WorkerSide:
 
     @property
     def transfer(self) -> KVTransfer | None:
-        """The first stored group's transfer (None until ``register_kv_caches``)."""
-        return self.transfers[0] if self.transfers else None
+        """The first stored KV group's transfer (None until ``register_kv_caches``)."""
+        return next((t for t in self.transfers if t is not None), None)
 
     def register_kv_caches(self, names: list[str], caches: list[torch.Tensor]) -> None:
         """``caches`` of every layer, in layer order, ``names`` their vLLM layer names: each stored
@@ -149,7 +154,7 @@ class WorkerSide:
             log.info("KVStoreConnector (worker %d): nothing is stored for this model", self.tp_rank)
             return
         by_name = dict(zip(names, caches))
-        for group, namespace, layout in zip(self.groups, self.namespaces, self._layouts):
+        for pos, (group, namespace, layout) in enumerate(zip(self.groups, self.namespaces, self._layouts)):
             if all(n in by_name for n in group.layers):
                 layers = [by_name[n] for n in group.layers]
             elif len(self.groups) == 1:
@@ -157,6 +162,14 @@ class WorkerSide:
             else:
                 raise ConfigError(f"KV cache group {group.index} names layers vLLM did not register: "
                                   f"{sorted(set(group.layers) - by_name.keys())[:4]}")
+            if group.kind == "state" or layout is None:
+                state_cache = PrefixCache(self.store, namespace, codec=self.opts.codec, auth=self.opts.record_auth(),
+                                          count_tokens=False)
+                self.states[pos] = StateTransfer(state_cache, layers, group.state_tensor_bytes)
+                self.transfers.append(None)
+                self._loaders.append(None)
+                self._savers.append(None)
+                continue
             if group.kind == "mla":  # a latent cache with a heads axis of 1 (vLLM CPU): the same rows without it
                 layers = [c[:, 0] if c.dim() == 4 and c.shape[1] == 1 else c for c in layers]
             shapes = {tuple(c.shape) for c in layers}
@@ -174,11 +187,13 @@ class WorkerSide:
             self._savers.append(KVTransfer(cache, layers, layout, land=land))
             if counts and group.every_chunk and self._events_config is not None and self.events is None:
                 self._publish_events(cache)
+        self._registered = True
         self.measure = WorkerMeasurements(self.store, cuda=caches[0].is_cuda)  # CUDA events time the forward
-        log.info("KVStoreConnector (worker %d): %d layers %s %s, layout %s, KV cache groups %s, namespace %s, "
+        log.info("KVStoreConnector (worker %d): %d layers %s %s, layouts %s, KV cache groups %s, namespace %s, "
                  "load %s%s, save %s", self.tp_rank, len(caches), dtype_name(caches[0].dtype), list(caches[0].shape),
-                 self._layouts[0].name, [f"{g.kind}:{len(g.layers)}" for g in self.groups], self.namespaces[0].id,
-                 self.opts.load_mode, " (landing in the blocks)" if any(t.lands_in_cache for t in self.transfers) else "",
+                 sorted({ns.layout for ns in self.namespaces}), [f"{g.kind}:{len(g.layers)}" for g in self.groups],
+                 self.namespaces[0].id, self.opts.load_mode,
+                 " (landing in the blocks)" if any(t is not None and t.lands_in_cache for t in self.transfers) else "",
                  self.opts.save_mode)
 
     def _publish_events(self, cache: PrefixCache) -> None:
@@ -235,7 +250,7 @@ class WorkerSide:
 
     def start_load(self, meta: KVStoreConnectorMetadata) -> None:
         """Start this step's loads; synchronous ones finish here."""
-        if not meta.loads or not self.transfers:
+        if not meta.loads or not self._registered:
             return
         for spec in meta.loads:
             if spec.background:
@@ -255,30 +270,43 @@ class WorkerSide:
     def _load(self, spec: LoadSpec, cancel: threading.Event) -> int:
         return self._run_load(self._loaders, spec, cancel)
 
-    def _run_load(self, transfers: list[KVTransfer], spec: LoadSpec, cancel: threading.Event | None) -> int:
+    def _run_load(self, transfers: list[KVTransfer | None], spec: LoadSpec, cancel: threading.Event | None) -> int:
         """Tokens of ``spec`` present in every group after loading (``spec.start``: nothing
-        loaded); never raises. Groups load in turn, full-attention ones first; a group that falls
-        short ends the load there (the request is recomputed from what every group holds)."""
+        loaded); never raises. Groups load in turn: states first (one small record each), then
+        full-attention groups, then windows; a group that falls short ends the load there (the
+        request is recomputed from what every group holds)."""
         check = None
         if cancel is not None:
             def check(chunk: ChunkKey, record: Record) -> None:
                 if cancel.is_set():
                     raise _Cancelled
         present = spec.end
-        order = sorted(range(len(transfers)), key=lambda i: not self.groups[i].every_chunk)
+        order = sorted(range(len(self.groups)),
+                       key=lambda i: (self.groups[i].kind != "state", not self.groups[i].every_chunk))
         try:
             for i in order:
                 group = self.groups[i]
+                namespace = self.namespaces[i].with_salt(spec.salt)
+                state = self.states.get(i)
+                if state is not None:  # the state after spec.end, into the block vLLM allocated for it
+                    if not state.load(spec.tokens, spec.end, state_block(spec.block_ids[i], spec.end, group.block_size
+                                                                         or self.block_size),
+                                      namespace, spans=spec.spans, before_place=check):
+                        present = spec.start
+                        break
+                    continue
+                transfer = transfers[i]
+                assert transfer is not None
                 skip = spec.start
-                if group.kind == "sliding":  # vLLM holds, and the next token attends to, the window only
-                    skip = max(skip, window_start(spec.end, group.window, self.block_size))
+                if group.windowed:  # vLLM holds, and the next token attends to, the window only
+                    skip = max(skip, window_start(spec.end, group.window, self.block_size, local=group.kind == "local"))
                 slots = slots_from_block_table(spec.block_ids[i], self.block_size, spec.end)
-                got, _ = transfers[i].load_sequence(
+                got, _ = transfer.load_sequence(
                     spec.tokens, slots, max_tokens=spec.end, skip_tokens=skip,
-                    namespace=self.namespaces[i].with_salt(spec.salt), spans=spec.spans, before_place=check)
+                    namespace=namespace, spans=spec.spans, before_place=check)
                 if got < spec.end:
-                    # A full group holds a shorter prefix; a sliding-window group short of its
-                    # window holds nothing usable (a shorter hit needs an earlier window).
+                    # A full group holds a shorter prefix; a windowed group short of its window
+                    # holds nothing usable (a shorter hit needs an earlier window).
                     present = got if group.every_chunk else spec.start
                     break
             return present
@@ -325,7 +353,7 @@ class WorkerSide:
     # -- save --------------------------------------------------------------------------------------
     def save(self, meta: KVStoreConnectorMetadata | None) -> None:
         self.measure.forward_ended()
-        if meta is None or not self.transfers:
+        if meta is None or not self._registered:
             return
         for spec in meta.saves:
             if self.opts.save_mode == "async":
@@ -333,8 +361,8 @@ class WorkerSide:
                     self._saw_saves.add(spec.req_id)
             if self._tainted(spec, meta.step):
                 continue
-            if spec.window_ends:
-                self._run_save(self.transfers, spec, windows=True)  # now, before vLLM frees those blocks
+            if spec.window_ends or spec.state_ends:
+                self._run_save(self.transfers, spec, windows=True)  # now, before vLLM frees or reuses those blocks
             if self.opts.save_mode != "async":
                 self._run_save(self.transfers, spec)
                 continue
@@ -378,25 +406,34 @@ class WorkerSide:
                 del self._pending_saves[req_id]
             self._save_lock.notify_all()
 
-    def _run_save(self, transfers: list[KVTransfer], spec: SaveSpec, windows: bool = False) -> None:
-        """Save ``spec`` into the full-attention groups (``windows=False``) or the sliding-window
-        groups' windows before ``spec.window_ends`` (``windows=True``)."""
+    def _run_save(self, transfers: list[KVTransfer | None], spec: SaveSpec, windows: bool = False) -> None:
+        """Save ``spec`` into the full-attention groups (``windows=False``), or the windowed
+        groups' windows before ``spec.window_ends`` and the state groups' states at
+        ``spec.state_ends`` (``windows=True``: inside the step)."""
         try:
             top = max(spec.ends)
             chunk = self.opts.chunk_tokens
             for i, group in enumerate(self.groups):
-                if (group.kind == "sliding") != windows or (group.replicated and self.tp_rank != 0):
+                if group.every_chunk == windows or (group.replicated and self.tp_rank != 0):
                     continue  # a replicated group (MLA) is saved by rank 0 only, loaded by every rank
-                slots = slots_from_block_table(spec.block_ids[i], self.block_size, top)
                 namespace = self.namespaces[i].with_salt(spec.salt)
-                if group.kind != "sliding":
-                    transfers[i].save_sequence(spec.tokens[:top], slots, namespace=namespace, ends=spec.ends,
-                                               from_token=spec.start, spans=spec.spans)
+                state = self.states.get(i)
+                if state is not None:
+                    size = group.block_size or self.block_size
+                    state.save(spec.tokens, {e: state_block(spec.block_ids[i], e, size) for e in spec.state_ends},
+                               namespace, spans=spec.spans)
+                    continue
+                transfer = transfers[i]
+                assert transfer is not None
+                slots = slots_from_block_table(spec.block_ids[i], self.block_size, top)
+                if group.every_chunk:
+                    transfer.save_sequence(spec.tokens[:top], slots, namespace=namespace, ends=spec.ends,
+                                           from_token=spec.start, spans=spec.spans, announce=spec.announce)
                     continue
                 for end in spec.window_ends:  # the window's chunks are rewritten: what a reader needs
-                    first = window_chunks(end, group.window, self.block_size, chunk).start * chunk
-                    transfers[i].save_sequence(spec.tokens[:end], slots, namespace=namespace, ends=[end],
-                                               from_token=first, spans=spec.spans)
+                    first = window_chunks(end, group.window, self.block_size, chunk, local=group.kind == "local").start
+                    transfer.save_sequence(spec.tokens[:end], slots, namespace=namespace, ends=[end],
+                                           from_token=first * chunk, spans=spec.spans)
         except Exception:
             log.exception("KVStoreConnector: save of request %s failed", spec.req_id)
 
