@@ -172,13 +172,15 @@ class _Expect:
     auth: TagKeys | None
 
 
-def stored_by_tier(store: Store, shards: Sequence[Sequence[ChunkKey]]) -> list[int]:
+def stored_by_tier(store: Store, shards: Sequence[Sequence[ChunkKey]], *, counted: bool = True) -> list[int]:
     """How many leading chunks of a prompt each of ``store.tiers`` holds for every shard in
     ``shards`` (the same chunks under each shard's namespace, e.g. one per TP rank: a hit needs
     them all), the minimum over shards; zeros when the store is unavailable. One lookup, counted
-    once; shards after one that nothing holds are not asked."""
+    once (``counted=False``: not in the lookup metrics, for a poll that asks again and again);
+    shards after one that nothing holds are not asked."""
     start = time.perf_counter()
-    metrics.LOOKUPS.inc()
+    if counted:
+        metrics.LOOKUPS.inc()
     held = [0] * len(store.tiers)
     first = shards[0] if shards else ()
     try:
@@ -195,8 +197,11 @@ def stored_by_tier(store: Store, shards: Sequence[Sequence[ChunkKey]]) -> list[i
                 break
     except KVStoreError as exc:  # a store that is not tiered fails as a whole: a miss
         log.debug("lookup failed: %s", exc)
-        metrics.LOOKUP_FAILURES.inc(reason="error")
+        if counted:
+            metrics.LOOKUP_FAILURES.inc(reason="error")
         held = [0] * len(held)
+    if not counted:
+        return held
     metrics.LATENCY.observe(time.perf_counter() - start, op="lookup")
     if first:
         found = max(held, default=0)

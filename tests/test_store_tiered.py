@@ -230,6 +230,25 @@ def test_full_queue_drops_and_counts_without_blocking(caplog):
         store.close()
 
 
+def test_wait_written_says_when_a_writer_sent_keys_or_dropped_them():
+    slow = SlowStore(0)
+    slow.gate.clear()
+    store = TieredStore([MemoryStore(), slow], queue_items=2)
+    try:
+        store.put_many([("a", b"1"), ("b", b"2")])
+        assert wait_until(lambda: slow.gate_waiters > 0)
+        store.put_many([("c", b"3"), ("d", b"4"), ("e", b"5")])  # e: over the queue's 2 items, dropped
+        assert not store.wait_written(["a", "b"], 0.05)  # still in flight
+        slow.gate.set()
+        assert store.wait_written(["a", "b", "c", "d"], 5)
+        assert not store.wait_written(["c", "e"], 5)  # e was dropped, and the writer remembers
+        assert store.wait_written(["never-written"], 0)  # nothing to wait for
+        store.put("e", b"5")
+        assert store.wait_written(["e"], 5)  # written the second time
+    finally:
+        store.close()
+
+
 def test_queue_coalesces_writes_of_one_key_and_bounds_bytes():
     slow = SlowStore(0)
     slow.gate.clear()

@@ -29,6 +29,7 @@ COMMANDS = (
     "kvstore.cli.devstack",
     "kvstore.cli.warm",
     "kvstore.cli.demo",
+    "kvstore.cli.proxy",
 )
 
 

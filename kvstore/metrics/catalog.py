@@ -39,6 +39,11 @@ __all__ = [
     "BYPASSED",
     "DECODE_CHUNKS",
     "PREFILL_RATE",
+    "PD_VISIBLE",
+    "PD_WAIT",
+    "PD_LOADED_TOKENS",
+    "PD_LOAD_FAILURES",
+    "PD_PROMISES",
     "WARM_PROMPTS",
     "INFO",
 ]
@@ -111,6 +116,30 @@ DECODE_CHUNKS = REGISTRY.counter("kvstore_decode_chunks_saved_total",
                                  "what the next turn of a chat hits.")
 PREFILL_RATE = REGISTRY.gauge("kvstore_prefill_tokens_per_second",
                               "The engine's measured prefill speed (EWMA), what a load is compared with.")
+
+# -- disaggregated prefill (kvstore.connectors.vllm.disagg) ----------------------------------------
+PD_PROMISES = REGISTRY.counter("kvstore_pd_promises_total",
+                               "Prefill engine: P/D requests (do_remote_decode) answered with a promise of records in "
+                               "the shared tier (promised), or without one (none: nothing stored, no shared tier, "
+                               "the request did not finish).", ("result",))
+PD_VISIBLE = REGISTRY.histogram("kvstore_pd_prefill_to_visible_seconds",
+                                "Prefill engine: from the end of the forward that computed a P/D prompt's last saved "
+                                "chunk to its records being in every shared tier (what a decode engine waits for).",
+                                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
+PD_WAIT = REGISTRY.histogram("kvstore_pd_wait_seconds",
+                             "Decode engine: how long a P/D request (do_remote_prefill) waited for the promised records "
+                             "to be visible before its load (or until its deadline).",
+                             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0))
+PD_LOADED_TOKENS = REGISTRY.histogram("kvstore_pd_loaded_tokens",
+                                      "Decode engine: prompt tokens a P/D request loaded from the store (0: none; recomputed, "
+                                      "unless vLLM's own prefix cache held them).",
+                                      buckets=(0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072))
+PD_LOAD_FAILURES = REGISTRY.counter("kvstore_pd_load_failures_total",
+                                    "Decode engine: P/D requests that did not load all their promised tokens, by "
+                                    "reason (timeout: not visible by the deadline; load_error: a record missing, "
+                                    "corrupt or forged at load time; params: malformed params; mismatch: promised "
+                                    "by another deployment or for another prompt). vLLM recomputes what was not loaded.",
+                                    ("reason",))
 
 # -- operations: warming, the build ----------------------------------------------------------------
 WARM_PROMPTS = REGISTRY.counter("kvstore_warm_prompts_total",

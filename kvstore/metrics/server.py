@@ -296,11 +296,18 @@ def start_from_env(environ: Mapping[str, str] | None = None) -> MetricsServer | 
     if switch not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
         raise ConfigError(f"{ENV_LOOKUP}={switch!r} must be 1 or 0 (true/false, yes/no, on/off)")
     lookups = LOOKUPS if switch in ("1", "true", "yes", "on") else None
+    _env_server = start_on_free_port(port, tries, host, lookups=lookups)
+    return _env_server
+
+
+def start_on_free_port(port: int, tries: int, host: str = "127.0.0.1", *,
+                       lookups: LookupRegistry | None = LOOKUPS) -> MetricsServer:
+    """``start_metrics_server`` on the first of ``port .. port + tries - 1`` it can bind (sibling
+    processes of one host each take one). ``ConfigError`` when every one is taken."""
     last: ConfigError | None = None
     for candidate in range(port, port + tries):
         try:
-            _env_server = start_metrics_server(candidate, host, lookups=lookups)
-            return _env_server
+            return start_metrics_server(candidate, host, lookups=lookups)
         except ConfigError as exc:
             last = exc
     raise ConfigError(f"no free metrics port in {port}..{port + tries - 1} on {host}: {last}")

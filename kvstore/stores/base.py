@@ -183,6 +183,12 @@ class Store(ABC):
         """Wait at most ``timeout`` for accepted writes to land; True if none is left pending."""
         return True
 
+    def wait_written(self, keys: Sequence[str], timeout: float) -> bool:
+        """Wait at most ``timeout`` until the writes of ``keys`` accepted so far have landed
+        everywhere they go; True if every key is then stored (a store that writes in ``put``
+        only checks). For a writer that must know when readers elsewhere see its records."""
+        return all(self.exists_many(keys))
+
     def exists(self, key: str) -> bool:
         return self.get(key) is not None
 
@@ -328,6 +334,9 @@ class WrapperStore(Store):
 
     def flush(self, timeout: float = 30.0) -> bool:
         return self.inner.flush(timeout)
+
+    def wait_written(self, keys: Sequence[str], timeout: float) -> bool:
+        return self.inner.wait_written(keys, timeout)
 
     def exists(self, key: str) -> bool:
         return self.inner.exists(key)

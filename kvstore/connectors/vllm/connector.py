@@ -122,7 +122,8 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.store, self.facts, self.opts, loads=kv_role.loads, saves=saves,
-                                           block_ids=self._request_block_ids, lag=self.facts.scheduling_lag)
+                                           block_ids=self._request_block_ids, lag=self.facts.scheduling_lag,
+                                           producer=kv_role.name == "producer")
         else:
             self.worker = WorkerSide(self.store, self.facts, self.opts, _tp_rank())
 

@@ -50,6 +50,9 @@ class SaveSpec:
     spans: tuple[InputSpan, ...] = ()
     state_ends: list[int] = field(default_factory=list)
     announce: tuple[int, int] | None = None
+    #: The save that completes a P/D prefill's promised prefix (``disagg``): the worker times how
+    #: long its records take to be visible in every shared tier.
+    promise: bool = False
 
 
 @dataclass

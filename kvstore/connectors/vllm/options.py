@@ -126,6 +126,22 @@ class VLLMConnectorOptions:
     kv_events_blocks_per_chunk: int = option(
         0, lo=0, hi=4096, help="Blocks each saved chunk is announced as; 0: chunk_tokens / the engine's block "
         "size, so routers that index one block size per model see the engine's blocks.")
+    pd_deadline: float = option(
+        2.0, kind="duration", lo=0.0, hi=600.0,
+        help="Disaggregated prefill (docs/disagg.md). A prefill engine (a request with do_remote_decode) promises "
+        "its prompt's records visible in the shared tier within this many seconds of its response; a decode "
+        "engine (do_remote_prefill) waits at most this long, and at most what the prefill engine promised, for "
+        "them to appear, off the scheduler's step, then loads them; what is not there in time is recomputed, "
+        "counted in kvstore_pd_load_failures_total{reason=\"timeout\"}.")
+    http_port: int = option(
+        0, lo=0, hi=65535,
+        help="Serve kvstore's HTTP endpoint (router lookups POST /v1/lookup, /metrics, /healthz: docs/lookup.md) "
+        "from the engine's scheduler process on this port, or the next free one of http_ports ports (several "
+        "engines on one host). 0: not started (KVSTORE_METRICS_PORT still starts it in every process).")
+    http_ports: int = option(
+        1, lo=1, hi=256, help="How many consecutive ports from http_port to try (the first free one is used).")
+    http_host: str = option(
+        "127.0.0.1", help="Address the HTTP endpoint of http_port binds (0.0.0.0 for a router on another host).")
     auth_key_file: str = key_file_option()
     auth_key_env: str = key_env_option()
     auth_previous_window: float = previous_window_option()
@@ -152,6 +168,8 @@ class VLLMConnectorOptions:
         if not 0 <= self.lookup_wait <= self.lookup_timeout:
             raise ConfigError(f"lookup_wait={self.lookup_wait:g}s must be between 0 and lookup_timeout="
                               f"{self.lookup_timeout:g}s")
+        if self.http_port and self.http_port + self.http_ports - 1 > 65535:
+            raise ConfigError(f"http_port={self.http_port} with http_ports={self.http_ports} goes past port 65535")
         if self.kv_events_blocks_per_chunk and self.chunk_tokens % self.kv_events_blocks_per_chunk:
             raise ConfigError(f"kv_events_blocks_per_chunk={self.kv_events_blocks_per_chunk} must divide "
                               f"chunk_tokens={self.chunk_tokens} (0: the engine's blocks)")

@@ -30,6 +30,14 @@ Nothing here waits on the network beyond ``lookup_wait``:
   a hit without its state would be wrong.
   With ``save_mode="async"`` a finished request that had saves planned keeps its blocks until
   the worker has gathered them (``request_finished`` answers True).
+* **Disaggregated prefill** (``disagg``): a prefill request (``do_remote_decode``, or any request
+  of a ``kv_producer``) finishes with a promise in its ``kv_transfer_params``: how many leading
+  tokens it stored, where, and a deadline. A decode request carrying one (``do_remote_prefill``)
+  skips the cost model: a thread of the P/D pool polls the store until the promised prefix is
+  there or the deadline passes (``get_num_new_matched_tokens`` answers ``None`` meanwhile, so the
+  step never waits and no blocks are held), then the hit loads in the background like any other;
+  what did not arrive in time, or failed verification, vLLM recomputes. Counted per request:
+  ``kvstore_pd_wait_seconds``, ``kvstore_pd_loaded_tokens``, ``kvstore_pd_load_failures_total``.
 """
 
 from __future__ import annotations
@@ -43,6 +51,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvstore.connectors.vllm.disagg import (
+    BadPromise,
+    Promise,
+    read_promise,
+    shared_tier,
+    wait_for,
+    wants_remote_decode,
+    wants_remote_prefill,
+)
 from kvstore.connectors.vllm.facts import EngineFacts, build_namespace, input_spans
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
@@ -62,7 +79,16 @@ from kvstore.cost import CostModel
 from kvstore.errors import KVStoreError
 from kvstore.keys import ChunkKey, InputSpan, TokenIds
 from kvstore.lookup_service import register_prefix_lookup
-from kvstore.metrics.catalog import BYPASSED, DECODE_CHUNKS, LOOKUP_FAILURES
+from kvstore.metrics.catalog import (
+    BYPASSED,
+    DECODE_CHUNKS,
+    LOOKUP_FAILURES,
+    PD_LOAD_FAILURES,
+    PD_LOADED_TOKENS,
+    PD_PROMISES,
+    PD_WAIT,
+)
+from kvstore.metrics.server import MetricsServer, start_on_free_port
 from kvstore.prefix_cache import PrefixCache, stored_by_tier
 from kvstore.stores import Store
 from kvstore.stores.speed import LinkSpeed
@@ -104,6 +130,17 @@ class _Lookup:
 
 
 @dataclass
+class _PDWait:
+    """A decode request waiting for its prefill engine's records: the promise, and the poll
+    running on the P/D pool (its answer, and when it came)."""
+
+    promise: Promise
+    started: float
+    deadline: float
+    future: Future[tuple[_Answer, float]]
+
+
+@dataclass
 class _Pending:
     """A load vLLM allocated blocks for in this step, to hand to the worker."""
 
@@ -119,7 +156,7 @@ class SchedulerSide:
 
     def __init__(self, store: Store, facts: EngineFacts, opts: VLLMConnectorOptions, *, loads: bool,
                  saves: bool, block_ids: Callable[[str], Sequence[Sequence[int]]], lag: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, producer: bool = False) -> None:
         self.opts = opts
         self.store = store
         self.block_size = facts.block_size
@@ -169,10 +206,22 @@ class SchedulerSide:
         self._announced: dict[str, int] = {}  # req -> tokens the KV events announced (hybrid models)
         self._planned_saves: set[str] = set()  # requests a SaveSpec went out for (the worker knows them too)
         self._step = 0
+        # Disaggregated prefill: a producer answers every finished request with a promise; a
+        # decode request's wait for one runs on its own pool (a wait may last its deadline).
+        self._producer = producer
+        self._tier = shared_tier([(t.name, t.store.is_local) for t in store.tiers])
+        self._pd_pool = ThreadPoolExecutor(8, thread_name_prefix="kvstore-pd-wait")
+        self._pd: dict[str, _PDWait] = {}
+        self._pd_done: set[str] = set()  # decode requests whose promise was used (once: a recompute looks up)
+        self._pd_loads: dict[str, int] = {}  # decode requests loading a promise -> the tokens promised
         # Router lookups (docs/lookup.md): the metrics server answers for this engine's namespace.
         self._unregister_lookup = register_prefix_lookup(
             [] if self._bypass else [c for i in self._full for c in self.group_caches[i]],
             store=store, limit=lambda n: lookup_limit(n, self.block_size))
+        self.http: MetricsServer | None = None
+        if opts.http_port:  # vllm serve has no hook of its own for it: the option starts it here
+            self.http = start_on_free_port(opts.http_port, opts.http_ports, opts.http_host)
+            log.info("KVStoreConnector (scheduler): router lookups and metrics at %s", self.http.base_url)
         if self.caches:
             ns = self.caches[0].namespace
             log.info("KVStoreConnector (scheduler): namespace %s (%s), KV cache groups %s, load=%s (%s, policy %s) "
@@ -183,7 +232,11 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._unregister_lookup()
+        if self.http is not None:
+            self.http.close()
+            self.http = None
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pd_pool.shutdown(wait=False, cancel_futures=True)
 
     def chunk_keys(self, tokens: TokenIds, salt: str = "", spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
         """Keys of every chunk a hit on ``tokens`` (with the multimodal inputs ``spans``) needs
@@ -203,18 +256,26 @@ class SchedulerSide:
         return out
 
     # -- lookup ----------------------------------------------------------------------------------
+    def _keyed(self, tokens: Sequence[int], limit: int, salt: str,
+               spans: Sequence[InputSpan]) -> dict[int, list[list[ChunkKey]]]:
+        """Per stored group, every shard's chunk keys of ``tokens[:limit]`` under ``salt``."""
+        arr = list(tokens)[:limit]
+        return {i: [c.keys(arr, namespace=c.namespace.with_salt(salt), spans=spans) for c in self.group_caches[i]]
+                for i in range(len(self.groups))}
+
     def _lookup(self, tokens: list[int], limit: int, salt: str, spans: tuple[InputSpan, ...]) -> _Answer:
         """What of the stored prefix is worth loading (runs on the lookup pool; never raises)."""
-        def shards(i: int) -> list[list[ChunkKey]]:
-            return [c.keys(tokens[:limit], namespace=c.namespace.with_salt(salt), spans=spans)
-                    for c in self.group_caches[i]]
+        return self._answer(self._keyed(tokens, limit, salt, spans))
 
-        keyed = {i: shards(i) for i in range(len(self.groups))}
+    def _answer(self, keyed: dict[int, list[list[ChunkKey]]], *, load_all: bool = False,
+                counted: bool = True) -> _Answer:
+        """What of ``keyed``'s prefix the store holds and is worth loading: as the cost model
+        decides, or (``load_all``) all of it. ``counted``: a lookup in the metrics (a P/D poll is not)."""
         keys = keyed[0][0] if keyed else []
         if not keys:
             return _Answer()
         if self._full:  # every TP rank of every full group must hold its shard
-            per_tier = stored_by_tier(self.store, [shard for i in self._full for shard in keyed[i]])
+            per_tier = stored_by_tier(self.store, [shard for i in self._full for shard in keyed[i]], counted=counted)
         else:
             per_tier = [len(keys)] * len(self.store.tiers)
         if not any(per_tier):
@@ -223,12 +284,15 @@ class SchedulerSide:
         if not servable:
             return _Answer()
         # Each tier's leading chunks, cut back to the last end every group can serve there: the
-        # cost model weighs only loads that can be hits.
+        # cost model weighs only loads that can be hits (a P/D decode loads them all).
         usable = [max((j + 1 for j in range(n) if keys[j].end in servable), default=0) for n in per_tier]
-        speeds = [t.speed for t in self.store.tiers]
-        plan = self.cost.plan(list(zip(speeds, usable)), [k.num_tokens for k in keys], self.chunk_bytes,
-                              extra_bytes=self.hit_bytes)
-        hit = max((keys[i].end for i in range(plan.chunks) if keys[i].end in servable), default=0)
+        if load_all:
+            chunks = max(usable)
+        else:
+            speeds = [t.speed for t in self.store.tiers]
+            chunks = self.cost.plan(list(zip(speeds, usable)), [k.num_tokens for k in keys], self.chunk_bytes,
+                                    extra_bytes=self.hit_bytes).chunks
+        hit = max((keys[i].end for i in range(chunks) if keys[i].end in servable), default=0)
         # Stored everywhere, and servable: a save never rewrites it. (A prefix the full groups hold
         # in every tier but no group can serve at its end is saved again: its window or state heals.)
         everywhere = min(usable) if self._full else 0
@@ -287,6 +351,9 @@ class SchedulerSide:
         limit = lookup_limit(len(tokens), self.block_size)
         if limit < self.block_size:
             return 0, False
+        params = getattr(request, "kv_transfer_params", None)
+        if req_id not in self._pd_done and wants_remote_prefill(params):
+            return self._remote_prefill(request, params, limit, spans or (), num_computed_tokens)
         job = self._lookups.get(req_id)
         if job is None or job.num_tokens != len(tokens):
             future = self._pool.submit(self._lookup, list(tokens), limit, request.cache_salt or "", spans or ())
@@ -314,6 +381,85 @@ class SchedulerSide:
             self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), answer.everywhere)
         ext = external_tokens(answer.load, num_computed_tokens, self.opts.min_load_tokens)
         return ext, ext > 0 and self.opts.load_mode == "async"
+
+    # -- disaggregated prefill: the decode side ------------------------------------------------------
+    def _remote_prefill(self, request: Request, params: Any, limit: int, spans: tuple[InputSpan, ...],
+                        num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens`` of a request whose prefill engine promised its records:
+        ``None`` while they are awaited, then the promised prefix (what arrived by the deadline)."""
+        req_id = request.request_id
+        wait = self._pd.get(req_id)
+        if wait is None:
+            try:
+                promise = read_promise(params, namespace=self.caches[0].namespace.id if self.caches else "",
+                                       max_tokens=limit, block_size=self.block_size)
+            except BadPromise as exc:
+                return self._pd_refused(request, num_computed_tokens, exc)
+            now = self._clock()
+            deadline = now + min(self.opts.pd_deadline, promise.deadline_s)
+            tokens = list(request.prompt_token_ids or ())
+            future = self._pd_pool.submit(self._await_promise, tokens, limit, request.cache_salt or "", spans,
+                                          promise, deadline)
+            wait = self._pd[req_id] = _PDWait(promise, now, deadline, future)
+        if not wait.future.done():
+            if self._clock() < wait.deadline + self.opts.lookup_timeout:
+                return None, False  # ask again next step; nothing is allocated meanwhile
+            # A store call that overran its own deadline: the request is recomputed now.
+            answer, waited = _Answer(), self._clock() - wait.started
+        elif isinstance(wait.future.exception(), BadPromise):
+            del self._pd[req_id]
+            return self._pd_refused(request, num_computed_tokens, wait.future.exception())  # type: ignore[arg-type]
+        elif wait.future.exception() is not None:  # a bug, not an outage (``_answer`` answers those)
+            log.warning("KVStoreConnector: P/D wait of %s failed: recomputed", req_id, exc_info=wait.future.exception())
+            answer, waited = _Answer(), self._clock() - wait.started
+        else:
+            answer, waited = wait.future.result()
+        del self._pd[req_id]
+        self._pd_done.add(req_id)
+        PD_WAIT.observe(waited)
+        promised = wait.promise.tokens
+        if answer.load < promised:
+            PD_LOAD_FAILURES.inc(reason="timeout")
+            log.info("KVStoreConnector: P/D request %s: %d of %d promised tokens visible after %.3fs (deadline); "
+                     "the rest is recomputed", req_id, answer.load, promised, waited)
+        self._local_hit[req_id] = num_computed_tokens
+        if answer.everywhere:
+            self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), answer.everywhere)
+        ext = external_tokens(answer.load, num_computed_tokens)
+        if ext > 0:
+            self._pd_loads[req_id] = promised
+        else:
+            PD_LOADED_TOKENS.observe(0)
+        return ext, ext > 0 and self.opts.load_mode == "async"
+
+    def _pd_refused(self, request: Request, num_computed_tokens: int, exc: BadPromise) -> tuple[int | None, bool]:
+        """A promise this engine cannot use: counted, logged, and the request looked up as any other."""
+        PD_LOAD_FAILURES.inc(reason=exc.reason)
+        log.info("KVStoreConnector: P/D request %s: its kv_transfer_params are not usable here (%s): looked up "
+                 "as any other", request.request_id, exc)
+        self._pd_done.add(request.request_id)
+        return self.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _await_promise(self, tokens: list[int], limit: int, salt: str, spans: tuple[InputSpan, ...],
+                       promise: Promise, deadline: float) -> tuple[_Answer, float]:
+        """Runs on the P/D pool: polls the store until it holds the promised prefix (or the deadline
+        passes); returns the hit then, and how long it waited. ``BadPromise`` when the promise names
+        another prefix than this prompt's (another prompt or cache salt)."""
+        start = self._clock()
+        keyed = self._keyed(tokens, limit, salt, spans)
+        first = keyed[0][0] if keyed else []
+        end = next((k for k in first if k.end == promise.tokens), None)
+        if end is None or end.digest.hex() != promise.digest:
+            raise BadPromise("mismatch", f"the promised prefix of {promise.tokens} tokens is not this prompt's")
+        answer = _Answer()
+
+        def probe() -> int:
+            nonlocal answer
+            answer = self._answer(keyed, load_all=True, counted=False)
+            return answer.load
+
+        wait_for(probe, promise.tokens, deadline, clock=self._clock)
+        return answer, self._clock() - start
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks | None,
                                  num_external_tokens: int) -> None:
@@ -392,9 +538,10 @@ class SchedulerSide:
             blocks = [ids[:used] for ids in self._group_ids(self._block_ids(req_id))]
             windows = self._window_ends(ends, len(prompt), num_computed)
             states = self._state_ends(ends, len(prompt), num_computed, after)
+            promise = top >= lookup_limit(len(prompt), self.block_size) > done and self._promises(request)
             meta.saves.append(SaveSpec(req_id, list(source[:top]), blocks, ends, request.cache_salt or "",
                                        start=done, window_ends=windows, spans=spans, state_ends=states,
-                                       announce=self._announce(req_id, ends, windows, states)))
+                                       announce=self._announce(req_id, ends, windows, states), promise=promise))
             decoded = sum(1 for e in ends if e > len(prompt))
             if decoded:
                 DECODE_CHUNKS.inc(decoded)
@@ -442,10 +589,14 @@ class SchedulerSide:
         invalid = connector_output.invalid_block_ids or set()
         for req_id in getattr(connector_output, "finished_recving", None) or ():
             spec = self._loading.pop(req_id, None)
-            if spec is not None and req_id not in failed and not invalid.intersection(spec.block_ids[0]):
+            ok = spec is not None and req_id not in failed and not invalid.intersection(spec.block_ids[0])
+            if spec is not None and ok:
                 # Those chunks are in the store (and were announced): nothing before spec.end needs saving again.
                 self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), spec.end)
                 self._announced[req_id] = max(self._announced.get(req_id, 0), spec.end)
+            promised = self._pd_loads.pop(req_id, None)
+            if spec is not None and promised is not None:
+                self._pd_loaded(req_id, spec, promised, ok, req_id in failed, invalid)
         for req_id in failed:
             self._failed.add(req_id)
             self._saved_upto[req_id] = 0
@@ -462,16 +613,58 @@ class SchedulerSide:
                 self._saved_upto[req_id] = 0
                 self._failed.add(req_id)
 
+    def _pd_loaded(self, req_id: str, spec: LoadSpec, promised: int, ok: bool, failed: bool,
+                   invalid: set[int]) -> None:
+        """A P/D request's load ended: the tokens it got (up to its first block that failed)."""
+        if ok:
+            loaded = spec.end - spec.start
+        elif failed:
+            loaded = 0
+        else:
+            bad = next((i for i, b in enumerate(spec.block_ids[0]) if b in invalid), len(spec.block_ids[0]))
+            loaded = max(0, min(spec.end, bad * self.block_size) - spec.start)
+        PD_LOADED_TOKENS.observe(loaded)
+        if not ok and spec.end >= promised:  # short of the promise by the deadline: counted there already
+            PD_LOAD_FAILURES.inc(reason="load_error")
+            log.info("KVStoreConnector: P/D request %s loaded %d of %d promised tokens (a record missing, corrupt "
+                     "or forged); the rest is recomputed", req_id, spec.start + loaded, promised)
+
+    # -- disaggregated prefill: the prefill side -----------------------------------------------------
+    def _promise(self, request: Request) -> dict[str, Any] | None:
+        """The params a finished prefill request returns (``disagg``): the prefix its saves cover."""
+        tokens = request.prompt_token_ids
+        status = getattr(getattr(request, "status", None), "name", "")
+        stored = min(self._saved_upto.get(request.request_id, 0), lookup_limit(len(tokens or ()), self.block_size))
+        spans = input_spans(request, content_hashed=self._mm_hashed) if tokens is not None else None
+        if (stored < self.block_size or self._tier is None or spans is None or not self.caches
+                or status not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")):
+            PD_PROMISES.inc(result="none")
+            return None
+        assert tokens is not None
+        cache = self.caches[0]
+        keys = cache.keys(list(tokens[:stored]), namespace=cache.namespace.with_salt(request.cache_salt or ""),
+                          spans=spans)
+        last = keys[-1]
+        PD_PROMISES.inc(result="promised")
+        return Promise(namespace=cache.namespace.id, tokens=last.end, chunks=len(keys), digest=last.digest.hex(),
+                       tier=self._tier, deadline_s=self.opts.pd_deadline).to_params()
+
+    def _promises(self, request: Request) -> bool:
+        """Whether ``request`` is a prefill whose finish answers with a promise."""
+        return self.do_save and (self._producer or wants_remote_decode(getattr(request, "kv_transfer_params", None)))
+
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         had_saves = req_id in self._planned_saves
+        params = self._promise(request) if self._promises(request) else None
         self._planned_saves.discard(req_id)
         for table in (self._requests, self._lookups, self._local_hit, self._pending, self._saved_upto,
-                      self._announced):
+                      self._announced, self._pd, self._pd_loads):
             table.pop(req_id, None)
         self._failed.discard(req_id)
+        self._pd_done.discard(req_id)
         # A background load still running keeps its entry until the worker reports it (vLLM keeps
         # the blocks until then). With background saves, the worker may still be gathering this
         # request's blocks: vLLM keeps them until it reports the request in finished_sending (the
         # worker reports every request it saw a SaveSpec for: the same rule as here).
-        return had_saves and self.opts.save_mode == "async", None
+        return had_saves and self.opts.save_mode == "async", params

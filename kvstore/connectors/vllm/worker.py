@@ -28,6 +28,11 @@
   recomputes them: saves covering them, or the request, are refused when they were planned before
   the scheduler learned of the failure (the step that failed, plus ``lag`` steps planned ahead
   under async scheduling); the recompute's own saves go through, so the cache heals.
+* **P/D promises** (``SaveSpec.promise``): once the save that completes a prefill's promised
+  prefix is handed to the store, a watcher thread waits for the shared tiers' writers to send
+  its records and observes the time from the end of that step's forward
+  (``kvstore_pd_prefill_to_visible_seconds``); records not visible within ``pd_deadline`` are
+  counted (``kvstore_pd_promises_total{result="late"}``). The engine's step never waits for it.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from kvstore.connectors.vllm.plan import blocks_for, failed_blocks, state_block,
 from kvstore.errors import ConfigError
 from kvstore.events import KVEventPublisher, mediums
 from kvstore.keys import ChunkKey
-from kvstore.metrics.catalog import SAVE_DROPS
+from kvstore.metrics.catalog import LATENCY, PD_PROMISES, PD_VISIBLE, SAVE_DROPS
 from kvstore.paged import KVTransfer, StateTransfer, dtype_name, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
 from kvstore.record import Record
@@ -133,6 +138,9 @@ class WorkerSide:
         self._saw_saves: set[str] = set()  # requests a SaveSpec came for (reported at finish)
         self._finishing: set[str] = set()  # finished requests whose gathers may still run
         self._save_thread: threading.Thread | None = None
+        # P/D promises: request -> when the forward of its promise's save ended; one watcher thread.
+        self._promised_at: dict[str, float] = {}
+        self._visibility = ThreadPoolExecutor(1, thread_name_prefix="kvstore-pd-visible")
         # Failed synchronous loads: request/block -> the last plan step that may have used them.
         self._tainted_reqs: dict[str, int] = {}
         self._tainted_blocks: dict[int, int] = {}
@@ -238,6 +246,7 @@ class WorkerSide:
                 SAVE_DROPS.inc(lost, reason="shutdown")
                 log.warning("KVStoreConnector: %d saves still queued after flush_timeout=%gs were dropped",
                             lost, self.opts.flush_timeout)
+        self._visibility.shutdown(wait=False, cancel_futures=True)
         if self.events is not None:
             self.events.close()  # after the saves: what they announced is sent
 
@@ -355,7 +364,10 @@ class WorkerSide:
         self.measure.forward_ended()
         if meta is None or not self._registered:
             return
+        ended = time.monotonic()
         for spec in meta.saves:
+            if spec.promise:
+                self._promised_at[spec.req_id] = ended
             if self.opts.save_mode == "async":
                 with self._save_lock:
                     self._saw_saves.add(spec.req_id)
@@ -377,6 +389,8 @@ class WorkerSide:
         for step_map in (self._tainted_reqs, self._tainted_blocks):
             for key in [k for k, last in step_map.items() if last <= meta.step]:
                 del step_map[key]  # type: ignore[arg-type]
+        if meta.saves:  # what this step spent on saves (handing them over, with save_mode="async")
+            LATENCY.observe(time.monotonic() - ended, op="step_save")
 
     def _tainted(self, spec: SaveSpec, step: int) -> bool:
         """Whether ``spec`` (planned in ``step``) may cover KV of a failed load not yet recomputed."""
@@ -436,6 +450,32 @@ class WorkerSide:
                                            from_token=first * chunk, spans=spec.spans)
         except Exception:
             log.exception("KVStoreConnector: save of request %s failed", spec.req_id)
+        if spec.promise and not windows:
+            ended = self._promised_at.pop(spec.req_id, None)
+            if ended is not None:
+                try:
+                    self._visibility.submit(self._watch_visible, spec, ended)
+                except RuntimeError:  # closing: the store drains what was queued, unwatched
+                    pass
+
+    def _watch_visible(self, spec: SaveSpec, ended: float) -> None:
+        """Runs on the watcher thread: when the promised prefix's records (this rank's shard of
+        the first group that stores every chunk) are in every shared tier, observe the time since
+        the forward ``ended``; ``pd_deadline`` after it, count them late."""
+        found = next(((j, t) for j, t in enumerate(self.transfers) if t is not None and self.groups[j].every_chunk), None)
+        if found is None:  # no group stores every chunk: nothing to watch
+            return
+        i, transfer = found
+        cache = transfer.cache
+        keys = cache.keys(spec.tokens[:max(spec.ends)], namespace=self.namespaces[i].with_salt(spec.salt),
+                          spans=spec.spans)
+        left = max(0.0, ended + self.opts.pd_deadline - time.monotonic())
+        if self.store.wait_written([k.key for k in keys], left):
+            PD_VISIBLE.observe(time.monotonic() - ended)
+        else:
+            PD_PROMISES.inc(result="late")
+            log.info("KVStoreConnector: the records of P/D request %s were not in every shared tier within "
+                     "pd_deadline=%gs of its prefill", spec.req_id, self.opts.pd_deadline)
 
     def _finished_saves(self, finished_req_ids: set[str]) -> set[str]:
         """Finished requests whose gathers are all done (background saves only)."""

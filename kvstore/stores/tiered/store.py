@@ -334,6 +334,14 @@ class TieredStore(Store):
         deadline = time.monotonic() + timeout
         return all(w.flush(max(0.0, deadline - time.monotonic())) for w in self._writers)
 
+    def wait_written(self, keys: Sequence[str], timeout: float) -> bool:
+        """Wait (at most ``timeout``) until every shared tier's writer has sent the writes of
+        ``keys`` it was given; False if one dropped any (a full queue, an open breaker, an error)
+        or still holds one. Local tiers were written in ``put``. Asks no tier anything: the
+        writers know what they sent."""
+        deadline = time.monotonic() + timeout
+        return all(w.wait_written(keys, max(0.0, deadline - time.monotonic())) for w in self._writers)
+
     def close(self, timeout: float | None = None) -> None:
         """Drain the write queues for at most ``timeout`` (``close_timeout``), then close every tier."""
         if self._closed:

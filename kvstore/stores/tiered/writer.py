@@ -8,6 +8,10 @@ reads its own writes.
 
 A submitted value is the writer's: ``bytes``, or ``Pieces`` whose owner lease the writer
 releases once the value is sent, replaced, withdrawn or dropped.
+
+``wait_written(keys)`` tells a writer that must know when readers elsewhere see its records (a
+P/D prefill) whether they were sent: the writer remembers the outcome of its last ``OUTCOMES``
+keys (sent, or dropped), so the answer costs no round trip.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ __all__ = ["Writer"]
 
 log = logging.getLogger("kvstore.stores")
 
+#: Outcomes (sent or dropped) the writer remembers, most recent keys first out.
+OUTCOMES = 16384
+
 
 class Writer:
     """The background writer of one shared tier: a bounded, coalescing queue and one thread."""
@@ -45,6 +52,7 @@ class Writer:
         self._pending: OrderedDict[str, Value | Pieces] = OrderedDict()
         self._pending_bytes = 0
         self._in_flight: dict[str, Value | Pieces] = {}
+        self._outcomes: OrderedDict[str, bool] = OrderedDict()
         self._closed = False
         self._dropping = False
         self.dropped = 0
@@ -71,6 +79,7 @@ class Writer:
             if reason is None:
                 if old is not None:
                     _release(old)
+                self._outcomes.pop(key, None)
                 self._pending[key] = data
                 self._pending_bytes += grow
                 if self._dropping:
@@ -81,6 +90,7 @@ class Writer:
                 self._cond.notify_all()
                 return True
             self.dropped += 1
+            self._note([key], False)
             if reason == "queue_full" and not self._dropping:
                 self._dropping = True
                 log.warning("kvstore tier %s: write queue full (%d items, %d bytes), dropping new writes",
@@ -121,6 +131,28 @@ class Writer:
                     break
                 self._cond.wait(left)
 
+    def wait_written(self, keys: Iterable[str], timeout: float) -> bool:
+        """Wait (at most ``timeout``) until none of ``keys`` is queued or in flight; True if each
+        was then sent (a key this writer never had, or long forgotten, counts as sent). False if
+        one was dropped, or still waits when the time runs out. No round trip to the tier."""
+        wanted = set(keys)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(k in self._pending or k in self._in_flight for k in wanted):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return all(self._outcomes.get(k, True) for k in wanted)
+
+    def _note(self, keys: Iterable[str], sent: bool) -> None:
+        """Remember what became of ``keys`` (under the lock)."""
+        for key in keys:
+            self._outcomes[key] = sent
+            self._outcomes.move_to_end(key)
+        while len(self._outcomes) > OUTCOMES:
+            self._outcomes.popitem(last=False)
+
     def depth(self) -> tuple[int, int]:
         with self._cond:
             return len(self._pending) + len(self._in_flight), self._pending_bytes
@@ -147,6 +179,7 @@ class Writer:
                 self._in_flight.clear()
                 for _, data in batch:
                     _release(data)
+                self._note([k for k, _ in batch], ok)
                 if ok:
                     self.written += len(batch)
                 else:
@@ -173,6 +206,7 @@ class Writer:
         with self._cond:
             self._closed = True
             lost = len(self._pending)
+            self._note(list(self._pending), False)
             for data in self._pending.values():
                 _release(data)
             self._pending.clear()
