@@ -111,6 +111,33 @@ def test_producer_fills_consumer_hits_in_another_process(model_dir, baseline, fi
     assert sorted(open_tier(redis_url).iter_keys()) == redis_keys
 
 
+
+def _host_has_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.skipif(not _host_has_amx(), reason="vLLM CPU's AMX kernels need a CPU with AMX tiles")
+def test_amx_kernels_hit_with_identical_tokens(model_dir, tmp_path):
+    """On a host with AMX, vLLM CPU's AMX kernels (the ``amx`` attention ISA: VNNI-packed pages,
+    ``vllm-cpu-amx``) with the connector: a fresh reader loads what a writer stored, with the
+    tokens of an engine without the connector on the same kernels. The other real-engine tests run
+    vLLM CPU's portable kernels on every host (``tests/vllm_worker.py``, ``choose_kernels``)."""
+    amx = {"KVSTORE_TEST_VLLM_AMX": "1"}
+    url = f"file://{tmp_path / 'kv'}"
+    conn = {"store": [url], "chunk_tokens": 64}
+    actions = [gen([P_A]), gen([P_B])]
+    alone = run_engine({"model": model_dir, "connector": None, "actions": actions,
+                        "engine": {"enable_prefix_caching": False}}, env=amx)
+    writer = run_engine({"model": model_dir, "connector": conn, "actions": actions}, env=amx)
+    reader = run_engine({"model": model_dir, "connector": conn, "actions": actions}, env=amx)
+    expected = [r["tokens"][0] for r in alone["results"]]
+    assert [r["tokens"][0] for r in writer["results"]] == expected
+    assert [r["tokens"][0] for r in reader["results"]] == expected
+    assert [r["cached"][0] for r in reader["results"]] == [288, 512]
+    assert "'vllm-cpu-amx'" in reader["log"]  # the worker's start-up line names its layouts
+
 def _records(url: str) -> dict[str, bytes]:
     store = open_tier(url)
     return {k: bytes(store.get(k)) for k in store.iter_keys()}

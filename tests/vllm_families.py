@@ -30,8 +30,8 @@ What vLLM CPU 0.32 makes of them (block_size 32, hybrid KV cache manager on; see
   MambaSpec of one layer, 1 FullAttentionSpec), pages of 32 KiB. Needs the hybrid KV cache
   manager: a connector without ``SupportsHMA`` fails at start-up.
 * ``deepseek-v2``: 2 layers of MLA -> 1 group (MLAAttentionSpec, head 576). vLLM CPU's
-  reference MLA backend (no AMX here) only runs a latent of ``kv_lora_rank + qk_rope_head_dim
-  == 576`` (512 + 64), forces ``block_size=16`` (``family_block_size``) and turns prefix
+  reference MLA backend (the tests hide AMX from vLLM: ``vllm_worker.choose_kernels``) only runs
+  a latent of ``kv_lora_rank + qk_rope_head_dim == 576`` (512 + 64), forces ``block_size=16`` (``family_block_size``) and turns prefix
   caching and chunked prefill off.
 
 Importing this module imports neither vLLM nor transformers (only when writing).

@@ -43,7 +43,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def choose_kernels() -> None:
+    """Give vLLM CPU its portable (non-AMX) kernels on every host, unless the engine's environment
+    sets ``KVSTORE_TEST_VLLM_AMX=1``.
+
+    vLLM CPU 0.32 picks its AMX kernels whenever the CPU has AMX tiles (Sapphire Rapids and newer):
+    the ``amx`` attention ISA for bf16 with block sizes that are multiples of 32, and the AMX MLA
+    backend, which needs such block sizes. The tests compare greedy tokens across engines, batches
+    and prefix hits, and CI lands on hosts with and without AMX; with the AMX kernels on such a
+    host, three tests' token references and the MLA test's block size came out otherwise, and a
+    fresh engine's first, hit-shaped prefill once ended in SIGILL inside vLLM. One choice of
+    kernels on every host keeps each test's reference the same everywhere; the AMX page layout
+    (``vllm-cpu-amx``) is covered by unit tests and, on AMX hosts, by
+    ``test_vllm_connector.py::test_amx_kernels_hit_with_identical_tokens``.
+
+    Called at import (vLLM's spawned engine core and workers import this module as their
+    ``__mp_main__``) and again in ``main`` (a forked engine gets its environment after the
+    server's import).
+    """
+    import torch
+
+    original = getattr(torch.cpu, "_kvstore_amx_tile_supported", None) or torch.cpu._is_amx_tile_supported
+    torch.cpu._kvstore_amx_tile_supported = original  # type: ignore[attr-defined]
+    amx = os.environ.get("KVSTORE_TEST_VLLM_AMX") == "1"
+    torch.cpu._is_amx_tile_supported = original if amx else (lambda: False)
+
+
+choose_kernels()
+
+
 def main(spec: dict) -> dict:
+    choose_kernels()
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import vllm_model
     from vllm import LLM, SamplingParams
