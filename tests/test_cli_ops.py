@@ -346,7 +346,8 @@ def test_a_bad_number_is_one_line_and_exit_2(tmp_path, command, flag):
 
 
 def test_the_readme_command_table_matches_each_commands_flags():
-    """README: every command takes --store but cp (--from/--to) and dev-stack."""
+    """README: every command takes --store but cp (--from/--to), dev-stack and proxy (its servers
+    hold the store)."""
     import re
     from pathlib import Path
 
@@ -355,8 +356,8 @@ def test_the_readme_command_table_matches_each_commands_flags():
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
     flags = {name: {o for a in p._actions for o in a.option_strings} for name, p in sub.choices.items()}
-    assert "All but `cp` and `dev-stack` take `--store URL`" in readme
-    assert {n for n, f in flags.items() if "--store" not in f} == {"cp", "dev-stack"}
+    assert "All but `cp`, `dev-stack` and `proxy` take `--store URL`" in readme
+    assert {n for n, f in flags.items() if "--store" not in f} == {"cp", "dev-stack", "proxy"}
     assert {"--from", "--to"} <= flags["cp"]
     for row in re.findall(r"^\| `kvstore ([a-z-]+)[^|]*\|", readme, re.M):
         assert row in flags, row
