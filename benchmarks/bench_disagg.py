@@ -33,13 +33,10 @@ import asyncio
 import itertools
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +46,7 @@ import aiohttp
 import vllm_model
 from bench_vllm_ttft import machine
 from servers import RedisServer, free_port, wait_until
-from vllm_engines import engine_env
+from vllm_engines import OpenAIServer, ServerProcess, engine_env, total
 
 #: ~45M parameters: a 2048-token prefill takes about a second on one core here, a decode step of four
 #: streams tens of milliseconds, so three modes and two runs fit in ten minutes. float32: the batches
@@ -59,67 +56,18 @@ CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_
 DTYPE = "float32"
 
 
-class Server:
-    """A vLLM OpenAI server pinned with taskset to ``cores`` (its OMP threads bound to them)."""
-
-    def __init__(self, model: str, cores: str, workdir: Path, name: str, kv: dict | None) -> None:
-        self.name = name
-        self.url = f"http://127.0.0.1:{(port := free_port())}"
-        env = engine_env(multiprocess=True)
-        env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=cores.replace(",", "-"))
-        argv = ["taskset", "-c", cores, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", DTYPE, "--max-model-len", "4096",
-                "--enforce-eager", "--block-size", "32", "--seed", "0", "--host", "127.0.0.1", "--port", str(port),
-                "--no-enable-prefix-caching"]
-        if kv is not None:
-            argv += ["--kv-transfer-config", json.dumps(kv)]
-        self.log_path = workdir / f"{name}.log"
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(argv, env=env, cwd=str(workdir), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited:\n{self.log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            out = {}
-            for line in r.read().decode().splitlines():
-                if line and not line.startswith("#"):
-                    name, _, value = line.rpartition(" ")
-                    out[name] = float(value)
-            return out
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+def server(model: str, cores: str, workdir: Path, name: str, role: str | None, conn: dict | None) -> OpenAIServer:
+    """A vLLM OpenAI server pinned with taskset to ``cores`` (its OMP threads bound to them), vLLM's own
+    prefix cache off."""
+    return OpenAIServer(model, workdir, name=name, role=role or "kv_both", conn=conn, dtype=DTYPE, cores=cores,
+                        taskset=True, kv_cache_gib=2, extra=("--no-enable-prefix-caching",))
 
 
-class Proxy(Server):
+def proxy_server(prefill: str, decode: str, workdir: Path) -> ServerProcess:
     """``kvstore proxy`` in its own process (not pinned)."""
-
-    def __init__(self, prefill: str, decode: str, workdir: Path) -> None:
-        self.name = "proxy"
-        self.url = f"http://127.0.0.1:{(port := free_port())}"
-        self.log_path = workdir / "proxy.log"
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore.cli", "proxy", "--prefill", prefill, "--decode",
-                                          decode, "--port", str(port)], env=engine_env(), cwd=str(workdir), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def total(metrics: dict[str, float], name: str, **labels: str) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for k, v in metrics.items() if (k == name or k.startswith(name + "{")) and all(w in k for w in want))
+    port = free_port()
+    return ServerProcess("proxy", [sys.executable, "-m", "kvstore.cli", "proxy", "--prefill", prefill, "--decode",
+                                   decode, "--port", str(port)], port, workdir, engine_env())
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -206,24 +154,20 @@ async def workload(url: str, args: argparse.Namespace, streams: list[list[int]],
 def run_mode(mode: str, model: str, args: argparse.Namespace, redis_url: str, workdir: Path, streams, arrivals,
              warm) -> dict:
     """Start the mode's servers, warm them with one long prompt, run the workload, stop them."""
-    started: list[Server] = []
+    started: list[OpenAIServer] = []
     proxy = None
     try:
         if mode.startswith("colocated"):
-            started.append(Server(model, "0,1" if mode == "colocated" else "0", workdir, mode, None))
+            started.append(server(model, "0,1" if mode == "colocated" else "0", workdir, mode, None, None))
         else:
             conn = {"store": ["memory://?max_bytes=1GiB", redis_url], "chunk_tokens": 256}
-            started.append(Server(model, "0", workdir, "prefill", {"kv_connector": "KVStoreConnector",
-                                                                  "kv_role": "kv_producer",
-                                                                  "kv_connector_extra_config": conn}))
-            started.append(Server(model, "1", workdir, "decode", {"kv_connector": "KVStoreConnector",
-                                                                 "kv_role": "kv_consumer",
-                                                                 "kv_connector_extra_config": conn}))
+            started.append(server(model, "0", workdir, "prefill", "kv_producer", conn))
+            started.append(server(model, "1", workdir, "decode", "kv_consumer", conn))
         for s in started:
             wait_until(s.ready, 600, s.name)
         url = started[0].url
         if mode == "pd":
-            proxy = Proxy(started[0].url, started[1].url, workdir)
+            proxy = proxy_server(started[0].url, started[1].url, workdir)
             wait_until(proxy.ready, 60, "kvstore proxy")
             url = proxy.url
         asyncio.run(workload(url, argparse.Namespace(**{**vars(args), "every": 0.0, "stream_tokens": 16}),
@@ -252,9 +196,9 @@ def run_mode(mode: str, model: str, args: argparse.Namespace, redis_url: str, wo
         return out
     finally:
         if proxy is not None:
-            proxy.stop()
+            proxy.kill()
         for s in started:
-            s.stop()
+            s.kill()
 
 
 def main() -> None:

@@ -21,19 +21,14 @@ Chat completions need a tokenizer (a chat template), which these token-id server
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import vllm_model
 from servers import free_port, freeze, thaw, wait_until
-from vllm_engines import engine_env, run_engine
+from vllm_engines import OpenAIServer, run_engine, total
 
 from kvstore.stores import open_store
 from kvstore.testing.damage import flip_byte
@@ -55,63 +50,6 @@ REDIS_DEADLINE = 1.25
 #: float32: in bfloat16 a batch of 8 and a batch of 11 (the reference) round differently, and a
 #: near tie between two tokens of these random weights then flips (seen once in 8 prompts).
 DTYPE = "float32"
-
-
-class Server:
-    """``python -m vllm.entrypoints.openai.api_server`` with the connector in ``role``, in its own
-    process group (its engine core and worker are children)."""
-
-    def __init__(self, model: str, role: str, conn: dict, workdir: Path, core: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"{role}.log"
-        kv = {"kv_connector": "KVStoreConnector", "kv_role": role, "kv_connector_extra_config": conn}
-        env = engine_env(multiprocess=True)
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=str(core))
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
-                 "--dtype", DTYPE, "--max-model-len", "4096", "--enforce-eager", "--block-size", str(BS),
-                 "--seed", "0", "--host", "127.0.0.1", "--port", str(self.port), "--enable-prompt-tokens-details",
-                 "--served-model-name", "m",
-                 "--kv-transfer-config", json.dumps(kv)],
-                cwd=str(workdir), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}):\n{self.log[-4000:]}")
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def metrics(self) -> dict[str, float]:
-        """The server's /metrics: series name with labels -> value."""
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            text = r.read().decode()
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-
-
-def total(metrics: dict[str, float], name: str, **labels: str) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for k, v in metrics.items() if (k == name or k.startswith(name + "{")) and all(w in k for w in want))
 
 
 def post(url: str, body: dict, timeout: float = 300) -> dict:
@@ -139,7 +77,7 @@ def stream(url: str, body: dict) -> tuple[list[int], dict]:
     return tokens, usage
 
 
-def settled_metrics(server: Server, name: str, want: float, timeout: float = 20) -> dict[str, float]:
+def settled_metrics(server: OpenAIServer, name: str, want: float, timeout: float = 20) -> dict[str, float]:
     """``server``'s metrics once ``name`` reached ``want`` (or ``timeout`` passed). An engine's
     stats reach its API server with the outputs of its steps: what a background thread counted
     after the last step waits for the next one, so an idle server is given a one-token request."""
@@ -166,8 +104,10 @@ def pd(tmp_path_factory, redis_server):
     store = ["memory://?max_bytes=256MiB", redis_url]
     conn = {"store": store, "chunk_tokens": 256, "pd_deadline": PD_DEADLINE}
     http_port = free_port()
-    prefill = Server(model, "kv_producer", {**conn, "http_port": http_port}, workdir, core=0)
-    decode = Server(model, "kv_consumer", conn, workdir, core=1)
+    prefill = OpenAIServer(model, workdir, name="prefill", role="kv_producer", conn={**conn, "http_port": http_port},
+                           dtype=DTYPE, block_size=BS, cores="0")
+    decode = OpenAIServer(model, workdir, name="decode", role="kv_consumer", conn=conn, dtype=DTYPE, block_size=BS,
+                          cores="1")
     proxy = None
     try:
         for server in (prefill, decode):

@@ -9,20 +9,16 @@ The last two write S3 over a slow link, so records are still on their way at the
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import vllm_model
-from servers import free_port, wait_until
+from servers import wait_until
 from test_vllm_connector import gen, store_urls
 from test_warm_exit import warm_argv
-from vllm_engines import engine_env, run_engine
+from vllm_engines import OpenAIServer, engine_env, run_engine
 
 from kvstore.stores import open_store
 from kvstore.testing.proxy import ShapedProxy
@@ -65,57 +61,13 @@ SERVER_PROMPTS = [vllm_model.prompt(80 + i, 2000) for i in range(4)]
 SERVER_RECORDS = 4 * 8
 
 
-class _OpenAIServer:
-    """``python -m vllm.entrypoints.openai.api_server`` with the connector, in its own process
-    group (its engine core is a child process), its output in ``log``."""
-
-    def __init__(self, model: str, conn: dict, workdir: Path, extra: list[str]) -> None:
-        self.model = model
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "server.log"
-        kv = {"kv_connector": "KVStoreConnector", "kv_role": "kv_both", "kv_connector_extra_config": conn}
-        env = engine_env(multiprocess=True)
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-                 "--skip-tokenizer-init", "--dtype", vllm_model.DTYPE, "--max-model-len", "4096", "--enforce-eager",
-                 "--block-size", str(vllm_model.BLOCK_SIZE), "--seed", "0", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--kv-transfer-config", json.dumps(kv), *extra],
-                cwd=str(workdir), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited ({self.proc.returncode}):\n{self.log[-4000:]}")
-        try:
-            with urllib.request.urlopen(self.base + "/health", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
+class _OpenAIServer(OpenAIServer):
     def complete(self, prompt: list[int]) -> dict:
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
-        req = urllib.request.Request(self.base + "/v1/completions", data=body,
+        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
             return json.loads(r.read())
-
-    def terminate(self, timeout: float) -> int:
-        """SIGTERM to the server alone (as an orchestrator sends it); its exit status."""
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
 
 
 def _slow_s3(urls: list[str], s3_server) -> tuple[ShapedProxy, list[str]]:
@@ -132,8 +84,8 @@ def test_an_openai_server_stopped_with_sigterm_right_after_its_responses_leaves_
     its worker as soon as the server gets SIGTERM, before any drain (measured: S3 held 14 of 32)."""
     urls = store_urls(redis_server, s3_server, "exit-server")
     proxy, slow = _slow_s3(urls, s3_server)
-    server = _OpenAIServer(model_dir, {"store": slow, "chunk_tokens": 256, "save_mode": "async"}, tmp_path,
-                           ["--shutdown-timeout", "30"])
+    server = _OpenAIServer(model_dir, tmp_path, conn={"store": slow, "chunk_tokens": 256, "save_mode": "async"},
+                           extra=("--shutdown-timeout", "30"))
     try:
         wait_until(server.ready, 300, "vLLM OpenAI server")
         with ThreadPoolExecutor(len(SERVER_PROMPTS)) as pool:

@@ -221,25 +221,6 @@ def test_plugin_registers_once_and_never_raises(monkeypatch):
 
 
 # -- a real vLLM OpenAI server --------------------------------------------------------------------
-def _scrape(url: str) -> dict[str, float]:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def _sum(values: dict[str, float], metric: str, **labels: str) -> float:
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    return sum(v for k, v in values.items()
-               if (k == metric or k.startswith(metric + "{")) and all(w in k for w in want))
-
-
 @pytest.mark.vllm
 def test_openai_server_metrics_show_kvstore_after_a_hit(tmp_path):
     """One scrape of the vLLM server's /metrics shows kvstore's counters (vllm:kvstore_*), and
@@ -257,69 +238,51 @@ def test_openai_server_metrics_show_kvstore_after_a_hit(tmp_path):
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root / "tests"))
     import vllm_model
-    from servers import free_port, wait_until
+    from servers import wait_until
+    from vllm_engines import OpenAIServer, scrape, total
 
     model = vllm_model.write_model(tmp_path / "model")
-    port = free_port()
-    kv = {"kv_connector": "KVStoreConnector",
-          "kv_role": "kv_both", "kv_connector_extra_config": {"store": [f"file://{tmp_path / 'kv'}"],
-                                                              "chunk_tokens": 64}}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "tests")]), VLLM_CPU_KVCACHE_SPACE="1")
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--skip-tokenizer-init",
-         "--dtype", "bfloat16", "--max-model-len", "4096", "--enforce-eager", "--block-size", "32",
-         "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
-         "--kv-transfer-config", json.dumps(kv)], cwd=str(tmp_path), env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError((tmp_path / "server.log").read_text()[-4000:])
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
+    server = OpenAIServer(str(model), tmp_path, conn={"store": [f"file://{tmp_path / 'kv'}"], "chunk_tokens": 64},
+                          extra=("--no-enable-prefix-caching",))
+    base = server.url
 
     def complete(prompt: list[int]) -> dict:
-        body = json.dumps({"model": str(model), "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
+        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
         req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())
 
     try:
-        wait_until(ready, 240, "vLLM OpenAI server")
-        before = _scrape(base + "/metrics")
-        assert _sum(before, "vllm:kvstore_tokens_loaded_total") == 0  # registered, nothing loaded yet
+        wait_until(server.ready, 240, "vLLM OpenAI server")
+        before = scrape(base + "/metrics")
+        assert total(before, "vllm:kvstore_tokens_loaded_total") == 0  # registered, nothing loaded yet
         prefix = vllm_model.prompt(31, 256)
         complete(prefix + vllm_model.prompt(32, 44))
         second = complete(prefix + vllm_model.prompt(33, 60))
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
         deadline = time.monotonic() + 20  # the last step's stats reach the API server with its outputs
         while True:
-            after = _scrape(base + "/metrics")
-            if _sum(after, "vllm:kvstore_tokens_loaded_total") >= 256 or time.monotonic() > deadline:
+            after = scrape(base + "/metrics")
+            if total(after, "vllm:kvstore_tokens_loaded_total") >= 256 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
     finally:
-        proc.send_signal(signal.SIGINT)
+        server.proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(60)
+            server.proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    assert _sum(after, "vllm:kvstore_tokens_loaded_total", engine="0") == 256
-    assert _sum(after, "vllm:kvstore_lookup_hit_tokens_total") >= 256
-    assert _sum(after, "vllm:kvstore_lookups_total") >= 2
-    assert _sum(after, "vllm:kvstore_tokens_saved_total") > 0
-    assert _sum(after, "vllm:kvstore_bytes_written_total", tier="file") > 0
-    assert _sum(after, "vllm:kvstore_op_seconds_count", op="load") >= 1
-    assert _sum(after, "vllm:kvstore_op_seconds_bucket", op="load", le="+Inf") >= 1
+            server.kill()
+    assert total(after, "vllm:kvstore_tokens_loaded_total", engine="0") == 256
+    assert total(after, "vllm:kvstore_lookup_hit_tokens_total") >= 256
+    assert total(after, "vllm:kvstore_lookups_total") >= 2
+    assert total(after, "vllm:kvstore_tokens_saved_total") > 0
+    assert total(after, "vllm:kvstore_bytes_written_total", tier="file") > 0
+    assert total(after, "vllm:kvstore_op_seconds_count", op="load") >= 1
+    assert total(after, "vllm:kvstore_op_seconds_bucket", op="load", le="+Inf") >= 1
     assert any('model_name="' in k for k in after if k.startswith("vllm:kvstore_tokens_loaded_total"))
     # vLLM's own view of the same hit, in the same scrape.
-    assert _sum(after, "vllm:external_prefix_cache_hits_total") >= 256 or \
-        _sum(after, "vllm:prompt_tokens_cached_total") >= 256
+    assert total(after, "vllm:external_prefix_cache_hits_total") >= 256 or \
+        total(after, "vllm:prompt_tokens_cached_total") >= 256
 
 
 def test_a_registry_gone_takes_its_baseline_with_it():

@@ -12,17 +12,19 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from servers import die_with_parent
+from servers import die_with_parent, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "vllm_worker.py"
@@ -170,3 +172,92 @@ def run_engine(spec: dict, *, multiprocess: bool = False, timeout: float = 240,
     out = json.loads(result[-1][len("RESULT "):]) if result else {}
     out.update(wall=time.monotonic() - start, log="".join(lines), returncode=engine.returncode)
     return out
+
+
+# -- servers: vLLM's OpenAI server and other HTTP servers, each in its own process group ----------
+class ServerProcess:
+    """An HTTP server on 127.0.0.1:``port`` in its own process group (its children too), its output
+    in ``log``; ready once ``GET /health`` answers 200."""
+
+    def __init__(self, name: str, argv: list[str], port: int, workdir: Path, env: dict[str, str]) -> None:
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(workdir) / f"{name}.log"
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(argv, cwd=str(workdir), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def ready(self) -> bool:
+        """Whether it answers its health check; RuntimeError (with its log) once it has exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n{self.log[-4000:]}")
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        """Its ``/metrics``: series name with labels -> value."""
+        return scrape(self.url + "/metrics")
+
+    def terminate(self, timeout: float) -> int:
+        """SIGTERM to the server alone (as an orchestrator sends it); its exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL to its whole group, and wait for it."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """A Prometheus text page at ``url``: series name with labels -> value."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def total(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of ``metrics``' series of ``name`` that carry every one of ``labels``."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(v for k, v in metrics.items() if (k == name or k.startswith(name + "{")) and all(w in k for w in want))
+
+
+class OpenAIServer(ServerProcess):
+    """``python -m vllm.entrypoints.openai.api_server`` for token-id prompts (no tokenizer), the
+    model served as ``m``, with kvstore's connector in ``role`` over ``conn`` (no connector when
+    ``conn`` is None). ``cores``: vLLM's OMP threads bound to them (``"0"``, ``"0,1"``); with
+    ``taskset``, the server's every process too."""
+
+    def __init__(self, model: str, workdir: Path, *, name: str = "server", role: str = "kv_both",
+                 conn: dict | None = None, dtype: str = "bfloat16", block_size: int = 32, cores: str | None = None,
+                 taskset: bool = False, kv_cache_gib: int = 1, extra: tuple[str, ...] = ()) -> None:
+        port = free_port()
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", dtype, "--max-model-len", "4096",
+                "--enforce-eager", "--block-size", str(block_size), "--seed", "0", "--host", "127.0.0.1",
+                "--port", str(port), "--enable-prompt-tokens-details", *extra]
+        if conn is not None:
+            argv += ["--kv-transfer-config", json.dumps({"kv_connector": "KVStoreConnector", "kv_role": role,
+                                                         "kv_connector_extra_config": conn})]
+        env = engine_env(multiprocess=True)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        if cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cores.replace(",", "-")
+            if taskset:
+                argv = ["taskset", "-c", cores, *argv]
+        super().__init__(name, argv, port, workdir, env)
