@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 _PAGE = mmap.PAGESIZE
 # cudaHostRegister flags (CUDA runtime API): every context may use the memory; the device only reads it.
 _PORTABLE, _READ_ONLY = 0x01, 0x08
+_NOT_SUPPORTED = 801  # cudaErrorNotSupported: the device cannot register read-only memory
 
 
 class HostPinner(Protocol):
@@ -53,7 +54,9 @@ def page_aligned_empty(nbytes: int) -> np.ndarray:
     mapping), every page faulted in: what a registration pins whole, never a page it shares with
     another buffer."""
     size = max(_PAGE, -(-nbytes // _PAGE) * _PAGE)
-    array = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)[:nbytes] if nbytes else np.empty(0, np.uint8)
+    # Private: a forked child gets its own copy of a pool's buffers, never the parent's pages.
+    array = np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE), dtype=np.uint8)[:nbytes] if nbytes \
+        else np.empty(0, np.uint8)
     if nbytes:
         array[::_PAGE] = 0  # fault every page in now, once, not on the hot path
     return array
@@ -86,7 +89,7 @@ class CudaHostPinner:
             if rc:
                 self._rt.cudaGetLastError()  # not left for torch to find after its next launch
         if rc:
-            if read_only and self._read_only_ok:
+            if read_only and self._read_only_ok and rc == _NOT_SUPPORTED:  # other errors say nothing of the flag
                 self._read_only_ok = False
                 log.warning("CUDA refused to register read-only host memory (error %d): shared-memory records "
                             "are copied to the device from pageable memory", rc)

@@ -341,3 +341,29 @@ def test_the_device_path_is_refused_a_nonsense_staging_budget():
 def test_the_namespace_names_the_layout_of_both_paths():
     ns = _namespace()
     assert ns.layout == FlashLayout().name and ns.kv_dtype == dtype_name(torch.bfloat16)
+
+
+def test_slots_out_of_range_are_refused_on_the_host_before_any_copy():
+    """On a GPU an out-of-range slot would fail the indexed copy with a device-side assert, which
+    ends the process's use of the device: the device path checks the slots it will touch on the
+    host first (an IndexError: a failed load or save, a recompute). Slots of skipped tokens may
+    hold anything."""
+    with open_store("memory://") as store:
+        src = _caches(13)
+        saver = _transfer(store, src)
+        bad = _slots(SRC_BLOCKS).clone()
+        bad[TOKENS - 1] = B * N  # one past the cache
+        with pytest.raises(IndexError, match=f"slot {B * N} is out of range for a cache of {B * N} slots"):
+            saver.save_sequence(TOKEN_IDS, bad)
+        assert saver.copies.stats == {} and not list(store.iter_keys())
+        assert saver.save_sequence(TOKEN_IDS, _slots(SRC_BLOCKS)) == 6
+        dst = [torch.zeros_like(c) for c in src]
+        loader = _transfer(store, dst)
+        bad = _slots(DST_BLOCKS).clone()
+        bad[0] = -1
+        with pytest.raises(IndexError, match="slot -1 is out of range"):
+            loader.load_sequence(TOKEN_IDS, bad)
+        assert loader.copies.stats == {} and all(bool((c == 0).all()) for c in dst)
+        # The same slot among tokens the caller already holds (skip_tokens) is never touched.
+        assert loader.load_sequence(TOKEN_IDS, bad, skip_tokens=CHUNK)[0] == TOKENS
+        assert _loaded_blocks(src, dst, 6)[1:] == [True] * 5

@@ -256,7 +256,9 @@ def test_http_port_serves_router_lookups_from_the_scheduler_process():
     try:
         prefill(p)
         assert p[0].scheduler.http is not None and p[0].scheduler.http.port == port
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/lookup", data=json.dumps({"tokens": TOKENS}).encode(),
+        # The namespace named: engines of other tests in this process may still have theirs registered.
+        body = {"tokens": TOKENS, "namespace": p[0].scheduler.caches[0].namespace.id}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/lookup", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as r:
             assert json.loads(r.read())["tokens"] == 288

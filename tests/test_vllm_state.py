@@ -380,3 +380,22 @@ def test_chunked_local_attention_stores_and_loads_the_attention_chunk_before_the
         assert torch.equal(dst[layer][30], src[layer][blocks[0][8]]) and torch.equal(dst[layer][0], before[layer][0])
     for layer in layers[2:]:
         assert all(torch.equal(dst[layer][full[i]], src[layer][blocks[1][i]]) for i in range(9))
+
+
+def test_the_device_staging_budget_is_shared_out_among_the_attention_groups():
+    """device_staging_bytes is per copy path of a worker (step, background loads, background
+    saves), divided among its KV cache groups that stage (state groups do not): vLLM does not
+    count it in its memory budget, so it must not grow with the number of groups."""
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    bpt = 2 * 2 * 32 * 2
+    f = replace(facts(), groups=(KVGroup(0, "local", (layers[0], layers[1]), window=128, bytes_per_token=bpt, isa="vec"),
+                                 KVGroup(1, "full", (layers[2], layers[3]), bytes_per_token=bpt, isa="vec")))
+    from test_vllm_unit import paged
+
+    _, work = connectors(MemoryStore(), f, device_staging_bytes="64MiB")
+    work.register_kv_caches(paged("cpu", seed=1, num_blocks=64))
+    paths = [work.worker.transfers, work.worker._loaders, work.worker._savers]
+    assert [[t.staging_bytes for t in path] for path in paths] == [[32 << 20] * 2] * 3
+    _, work = connectors(MemoryStore(), recurrent(), device_staging_bytes="64MiB")  # 3 state groups, 1 full
+    work.register_kv_caches(caches(1))
+    assert [t.staging_bytes for t in work.worker.transfers if t is not None] == [64 << 20]

@@ -13,9 +13,11 @@ Load (``PrefixCache.load_staged``):
   (``PagedLayout.scatter_chunks``, an indexed write reading the staging where it lies), and no
   byte of a record that failed, or came after one, reaches the cache.
 * No synchronisation per record: the host waits once per window for the DMAs to finish (so the
-  records' memory can be reused), never for the scatter. The side stream first waits for the
-  compute stream (work queued on these blocks lands before the load) and the compute stream
-  waits for it at the end (the next forward reads the loaded KV).
+  records' memory can be reused), never for the scatter. The scatter first waits for the
+  compute stream (work queued on these blocks lands before it; the DMAs into staging do not
+  wait for the forward), and the compute stream waits for the scatter at the end (the next
+  forward reads the loaded KV). The compute stream is the engine's
+  (``DeviceCopies.compute_stream``), also for a load or save on a background thread.
 * A load larger than ``staging_bytes`` runs in windows of records, each one load of the store.
 
 Save: the chunks to write are gathered on the device in one pass per layer
@@ -32,6 +34,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -73,6 +76,24 @@ def _host_tensor(view: memoryview) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
+_twins_lock = threading.Lock()
+_twins: weakref.WeakKeyDictionary[BufferPool, list[tuple[HostPinner, BufferPool]]] = weakref.WeakKeyDictionary()
+
+
+def _pinned_twin(pool: BufferPool, pinner: HostPinner) -> BufferPool:
+    """A pool of ``pool``'s budget whose buffers ``pinner`` registers: one per pool and pinner,
+    shared by every ``DeviceCopies`` over it (a worker's step, loader and saver paths of every KV
+    cache group draw on one budget of page-locked memory, not one each)."""
+    with _twins_lock:
+        twins = _twins.setdefault(pool, [])
+        for known, twin in twins:
+            if known is pinner:
+                return twin
+        twin = BufferPool(pool.max_bytes, pin=pinner)
+        twins.append((pinner, twin))
+        return twin
+
+
 class DeviceCopies:
     """The copy path of a ``KVTransfer`` over accelerator caches (see the module docstring).
 
@@ -91,7 +112,7 @@ class DeviceCopies:
         self.pinner = pinner if pinner is not None else cuda_pinner(self.device) if self.on_cuda else None
         pool = cache.pool
         self.pool: BufferPool = pool if self.pinner is None or pool.pinner is not None else \
-            BufferPool(pool.max_bytes, pin=self.pinner)
+            _pinned_twin(pool, self.pinner)
         if self.pinner is not None:
             cache.store.pin_host_memory(self.pinner)
         self.staging_bytes = staging_bytes
@@ -100,6 +121,11 @@ class DeviceCopies:
         self._lock = threading.Lock()
         # torch leaves torch.cuda.Stream's constructor unannotated.
         self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
+        # The engine's compute stream: the current stream of the thread that builds this (the
+        # engine's, in register_kv_caches). A load or save on another thread (a background loader
+        # or saver) orders itself against that stream, not against its own thread's current one.
+        self._engine_thread = threading.get_ident()
+        self._engine_stream = torch.cuda.current_stream(self.device) if self.on_cuda else None
         self._buf: torch.Tensor | None = None
         self._token_bytes = len(self.kv_caches) * first.element_size() * math.prod(
             layout.chunk_shape(first, layout.block_size(first))) // layout.block_size(first)
@@ -109,6 +135,13 @@ class DeviceCopies:
         """A record's KV bytes for a chunk of ``num_tokens`` tokens (every layer)."""
         return self._token_bytes * num_tokens
 
+    def compute_stream(self) -> torch.cuda.Stream:
+        """The stream whose work a load or save is ordered against: the calling thread's current
+        stream on the engine's thread, the engine's compute stream on any other (CUDA only)."""
+        if threading.get_ident() == self._engine_thread or self._engine_stream is None:
+            return torch.cuda.current_stream(self.device)
+        return self._engine_stream
+
     def _on_stream(self) -> AbstractContextManager[Any]:
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
@@ -116,7 +149,7 @@ class DeviceCopies:
         """``nbytes`` of device staging (uint8), reused: every use is ordered on the side stream."""
         buf = self._buf
         if buf is None or buf.numel() < nbytes:
-            self._buf = None
+            self._buf = buf = None  # the smaller buffer goes back before the larger one is allocated
             with self._on_stream():  # allocated for the side stream, where it is used
                 self._buf = buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf[:nbytes]
@@ -190,7 +223,7 @@ class DeviceCopies:
             held.append(lease)
         pinned = lease.pinned if lease is not None else self.on_cuda
         if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the forward wrote these blocks
+            self.stream.wait_stream(self.compute_stream())  # the forward wrote these blocks
         offset = 0
         with self._on_stream():
             for first, k in self._runs(window):
@@ -250,7 +283,7 @@ class DeviceCopies:
                     break
         finally:
             if self.stream is not None:  # the next forward reads what was scattered
-                torch.cuda.current_stream(self.device).wait_stream(self.stream)
+                self.compute_stream().wait_stream(self.stream)
         return done
 
 
@@ -269,8 +302,6 @@ class _Staging:
         self.held: list[Lease] = []
         stream = copies.stream
         self.dma_done = torch.cuda.Event() if stream is not None else None  # type: ignore[no-untyped-call]
-        if stream is not None:  # compute queued on these blocks lands before the load
-            stream.wait_stream(torch.cuda.current_stream(copies.device))
 
     def stage(self, index: int, chunk: ChunkKey, kv: memoryview, lease: Lease, *, decoded: bool = False) -> None:
         if len(kv) != self.sizes[index]:
@@ -290,6 +321,8 @@ class _Staging:
         copies = self.copies
         try:
             if count:
+                if copies.stream is not None:  # compute queued on these blocks lands before the scatter
+                    copies.stream.wait_stream(copies.compute_stream())  # (the DMAs into staging need not wait)
                 with copies._on_stream():
                     self._scatter(count)
         finally:

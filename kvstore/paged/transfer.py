@@ -87,6 +87,8 @@ class KVTransfer:
             raise ConfigError("namespace does not describe the KV cache: " + "; ".join(problems))
         if staging_bytes < 1:
             raise ConfigError(f"staging_bytes={staging_bytes} must be at least 1")
+        #: Device memory a load or save stages at most at once (the device path only).
+        self.staging_bytes = staging_bytes
         self.on_cuda = self.device.type == "cuda"
         if device_path is None:
             device_path = self.device.type != "cpu"
@@ -96,6 +98,20 @@ class KVTransfer:
             HostCopies(cache, self.kv_caches, self.layout, land=land, save_from_blocks=save_from_blocks))
         #: Where records are received and gathered (pinned on an accelerator).
         self.pool = self.copies.pool
+        self.num_slots = self.layout.num_blocks(first) * self.block_size
+
+    def _slots_on_device(self, slots: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """``slots`` as int64 on the cache's device; those of tokens ``[start, end)`` (the ones
+        the copy touches) checked first where they are on the host: on an accelerator a slot out
+        of range would fail the indexed copy with a device-side assert, which ends the process's
+        use of the device, where the host path gets an ``IndexError`` (a failed load or save: a
+        recompute)."""
+        used = slots[start:end]
+        if used.device.type == "cpu" and used.numel():
+            lo, hi = int(used.min()), int(used.max())
+            if lo < 0 or hi >= self.num_slots:
+                raise IndexError(f"slot {lo if lo < 0 else hi} is out of range for a cache of {self.num_slots} slots")
+        return slots.to(self.device, torch.int64)
 
     @property
     def lands_in_cache(self) -> bool:
@@ -154,7 +170,8 @@ class KVTransfer:
                                [self.usable_tokens(min(int(e), n)) for e in ends], spans=spans)
         if not keys:
             return 0
-        slots = slots.to(self.device, torch.int64)
+        written = [k for k in keys if from_token is None or k.end > from_token] or keys
+        slots = self._slots_on_device(slots, written[0].start, written[-1].end)
 
         # Every chunk end's hidden state in one copy to the host (on an accelerator, one wait for
         # the compute stream instead of one per chunk).
@@ -207,7 +224,7 @@ class KVTransfer:
         keys = [k for k in self.keys(arr, max_tokens, namespace=namespace, spans=spans) if k.end > skip_tokens]
         if not keys:
             return min(skip_tokens, arr.shape[0]), None
-        slots = slots.to(self.device, torch.int64)
+        slots = self._slots_on_device(slots, skip_tokens, keys[-1].end)
         result = self.copies.load(arr[:keys[-1].end], keys, slots, skip_tokens, namespace=namespace,
                                   before_place=before_place,
                                   hidden_dtype=dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype)

@@ -103,6 +103,12 @@ class VLLMConnectorOptions:
         1 << 30, kind="size", lo=16 << 20, hi=1 << 40,
         help="Size of the process's buffer pool that records are gathered into and received into "
         "(resident memory, pinned on CUDA). Must hold a load's records in flight plus queued saves.")
+    device_staging_bytes: int = option(
+        512 << 20, kind="size", lo=1 << 20, hi=1 << 40,
+        help="On an accelerator (CUDA): device memory a worker stages records in, for each of its three copy "
+        "paths (a step's loads and window saves, background loads, background saves), shared out among its KV "
+        "cache groups; a larger load or save runs in windows of it. vLLM does not count it in "
+        "gpu_memory_utilization: the three together must fit in what vLLM leaves free.")
     switch_interval: float = switch_interval_option()
     land_in_cache: bool = land_in_cache_option()
     window_interval: int = option(

@@ -190,9 +190,9 @@ class WorkerSide:
                                 count_tokens=counts)
             # KVTransfer checks layout, dtype, block size and layer count against the namespace.
             land = self.opts.land_in_cache
-            self.transfers.append(KVTransfer(cache, layers, layout, land=land))
-            self._loaders.append(KVTransfer(cache, layers, layout, land=land))
-            self._savers.append(KVTransfer(cache, layers, layout, land=land))
+            staging = max(1 << 20, self.opts.device_staging_bytes // sum(g.kind != "state" for g in self.groups))
+            for paths in (self.transfers, self._loaders, self._savers):
+                paths.append(KVTransfer(cache, layers, layout, land=land, staging_bytes=staging))
             if counts and group.every_chunk and self._events_config is not None and self.events is None:
                 self._publish_events(cache)
         self._registered = True
