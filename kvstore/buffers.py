@@ -453,27 +453,38 @@ class BufferPool:
         deadline = time.monotonic() + wait
         with self._lock:
             self._stats.leases += 1
-            if size > self.max_bytes:
+            oversize = size > self.max_bytes
+            if oversize:
                 self._stats.oversize += 1
-                buf, pinned = self._allocate(size)
-                return Lease(self, buf, nbytes, pinned=pinned)
-            while True:
-                free = self._take(size)
-                if free is not None:
-                    break
-                if self._make_room(size):
-                    free = self._allocate(size)
-                    self._held += size
-                    self._stats.allocations += 1
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._stats.misses += 1
-                    return None
-                self._lock.wait(left)
-            buf, pinned = free
-            self._leased += len(buf)
-            return Lease(self, buf, nbytes, pinned=pinned)
+            else:
+                while True:
+                    free = self._take(size)
+                    if free is not None:
+                        buf, pinned = free
+                        self._leased += len(buf)
+                        return Lease(self, buf, nbytes, pinned=pinned)
+                    if self._make_room(size):  # reserved here, allocated below
+                        self._held += size
+                        self._leased += size
+                        self._stats.allocations += 1
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._stats.misses += 1
+                        return None
+                    self._lock.wait(left)
+        # A new buffer is faulted in (and registered with an accelerator: a driver call that can
+        # take milliseconds) outside the lock: leases of free buffers and releases never wait on it.
+        try:
+            buf, pinned = self._allocate(size)
+        except BaseException:
+            if not oversize:
+                with self._lock:
+                    self._held -= size
+                    self._leased -= size
+                    self._lock.notify_all()
+            raise
+        return Lease(self, buf, nbytes, pinned=pinned)
 
     def _take(self, size: int) -> tuple[Any, bool] | None:
         """The smallest free buffer of at least ``size`` bytes but not wastefully larger, or None."""

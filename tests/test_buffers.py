@@ -173,3 +173,50 @@ def test_write_all_resumes_partial_vectored_writes_and_refuses_a_write_of_nothin
     assert bytes(out) == b"".join(parts) and max(calls) <= IOV_MAX
     with pytest.raises(OSError, match="moved 0 bytes"):
         write_all(lambda views: 0, [memoryview(b"x")])
+
+
+def test_a_slow_registration_holds_up_no_other_lease_or_release():
+    """A new buffer is registered with the accelerator (milliseconds of driver time on a GPU)
+    outside the pool's lock: meanwhile a free buffer is leased and a lease released; a failed
+    allocation gives its reserved budget back."""
+    from kvstore.testing.pinner import CountingPinner
+
+    class SlowPinner(CountingPinner):
+        def __init__(self) -> None:
+            super().__init__()
+            self.entered, self.go = threading.Event(), threading.Event()
+            self.slow = False
+
+        def pin(self, array, *, read_only=False):
+            if self.slow:
+                self.entered.set()
+                assert self.go.wait(10)
+            return super().pin(array, read_only=read_only)
+
+    pinner = SlowPinner()
+    pool = BufferPool(1 << 20, pin=pinner)
+    warm = pool.lease(4096)
+    held = pool.lease(4096)
+    warm.release()
+    pinner.slow = True
+    got = []
+    slow = threading.Thread(target=lambda: got.append(pool.lease(256 << 10)))  # no free buffer fits
+    slow.start()
+    assert pinner.entered.wait(10)
+    quick = pool.lease(4096)  # the free buffer, while the other lease's registration runs
+    assert quick is not None and quick.pinned
+    held.release()
+    quick.release()
+    pinner.go.set()
+    slow.join(10)
+    assert got[0] is not None and got[0].pinned and pool.stats()["leased_bytes"] == footprint(256 << 10)
+    got[0].release()
+
+    class Failing(CountingPinner):
+        def pin(self, array, *, read_only=False):
+            raise MemoryError("no room")
+
+    pool = BufferPool(1 << 20, pin=Failing())
+    with pytest.raises(MemoryError):
+        pool.lease(4096)
+    assert pool.stats()["held_bytes"] == 0 and pool.stats()["leased_bytes"] == 0
