@@ -58,21 +58,16 @@ __all__ = ["DeviceCopies", "DEFAULT_STAGING_BYTES"]
 #: Device memory a load or a save stages at most at once (larger ones run in windows).
 DEFAULT_STAGING_BYTES = 512 << 20
 
-_quiet = threading.Lock()
-_quieted = False
+# torch warns once per process that a read-only buffer is wrapped as if writable; a record in a
+# read-only mapping is only read. The warning is used up here, at import (warnings' filters are
+# process-wide: swapping them while other threads run could drop or restore theirs).
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.frombuffer(memoryview(b"\0"), dtype=torch.uint8)
 
 
 def _host_tensor(view: memoryview) -> torch.Tensor:
-    """``view``'s bytes as a uint8 CPU tensor, no copy. A record in a read-only mapping is only
-    read: torch's once-per-process warning about read-only buffers is silenced up front."""
-    global _quieted
-    if not _quieted:
-        with _quiet:
-            if not _quieted:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)
-                    torch.frombuffer(memoryview(b"\0"), dtype=torch.uint8)
-                _quieted = True
+    """``view``'s bytes as a uint8 CPU tensor, no copy (a read-only record's is only read)."""
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
