@@ -205,6 +205,9 @@ def test_a_promise_for_another_prompt_or_deployment_is_a_plain_lookup():
     shared = SharedMemory()
     p, d, _ = engines(shared)
     params = prefill(p)
+    # A mismatched promise is not waited on, so the records must already be in the shared tier
+    # for the plain lookup to see them (the prefill writes them in the background).
+    assert p[1].worker.store.flush(5)
     mismatches = PD_LOAD_FAILURES.value(reason="mismatch")
     other = TOKENS[:100] + [7] + TOKENS[101:]  # differs inside the promised prefix
     (ext, _), _ = decode_ask(d[0], decode_request(params, tokens=other, req_id="d3"))
