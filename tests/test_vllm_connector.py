@@ -111,7 +111,6 @@ def test_producer_fills_consumer_hits_in_another_process(model_dir, baseline, fi
     assert sorted(open_tier(redis_url).iter_keys()) == redis_keys
 
 
-
 def _host_has_amx() -> bool:
     import torch
 
@@ -137,6 +136,7 @@ def test_amx_kernels_hit_with_identical_tokens(model_dir, tmp_path):
     assert [r["tokens"][0] for r in reader["results"]] == expected
     assert [r["cached"][0] for r in reader["results"]] == [288, 512]
     assert "'vllm-cpu-amx'" in reader["log"]  # the worker's start-up line names its layouts
+
 
 def _records(url: str) -> dict[str, bytes]:
     store = open_tier(url)

@@ -238,16 +238,16 @@ def total(metrics: dict[str, float], name: str, **labels: str) -> float:
 
 
 class OpenAIServer(ServerProcess):
-    """``python -m vllm.entrypoints.openai.api_server`` for token-id prompts (no tokenizer), the
-    model served as ``m``, with kvstore's connector in ``role`` over ``conn`` (no connector when
-    ``conn`` is None). ``cores``: vLLM's OMP threads bound to them (``"0"``, ``"0,1"``); with
+    """vLLM's OpenAI server for token-id prompts (no tokenizer), the model served as ``m``, with
+    kvstore's connector in ``role`` over ``conn`` (no connector when ``conn`` is None); started
+    through ``vllm_worker.py --openai``, so it runs the kernels of every test engine. ``cores``: vLLM's OMP threads bound to them (``"0"``, ``"0,1"``); with
     ``taskset``, the server's every process too."""
 
     def __init__(self, model: str, workdir: Path, *, name: str = "server", role: str = "kv_both",
                  conn: dict | None = None, dtype: str = "bfloat16", block_size: int = 32, cores: str | None = None,
                  taskset: bool = False, kv_cache_gib: int = 1, extra: tuple[str, ...] = ()) -> None:
         port = free_port()
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        argv = [sys.executable, str(WORKER), "--openai", "--model", model,
                 "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", dtype, "--max-model-len", "4096",
                 "--enforce-eager", "--block-size", str(block_size), "--seed", "0", "--host", "127.0.0.1",
                 "--port", str(port), "--enable-prompt-tokens-details", *extra]

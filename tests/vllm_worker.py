@@ -29,6 +29,8 @@ The last line printed is ``RESULT <json>`` with ``{"results": [...], "startup": 
 engine runs in its own process (vLLM needs a ``__main__`` guard and cannot host two engines).
 
     python tests/vllm_worker.py --serve SOCKET    (the engine server of tests/vllm_engines.py)
+    python tests/vllm_worker.py --openai ARGS...  (vLLM's OpenAI server with ARGS, this module its
+                                                   ``__main__``: the same kernels, see choose_kernels)
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def choose_kernels() -> None:
     ``test_vllm_connector.py::test_amx_kernels_hit_with_identical_tokens``.
 
     Called at import (vLLM's spawned engine core and workers import this module as their
-    ``__mp_main__``) and again in ``main`` (a forked engine gets its environment after the
-    server's import).
+    ``__mp_main__``; the OpenAI servers of the tests start through it too, ``--openai``) and
+    again in ``main`` (a forked engine gets its environment after the server's import).
     """
     import torch
 
@@ -303,6 +305,12 @@ def _run_forked(spec: dict) -> None:
 
 if __name__ == "__main__":
     arg = sys.argv[1]
+    if arg == "--openai":  # spawned engine processes import this module as their __mp_main__
+        from vllm.entrypoints.launchers.api_server.entry import main as openai_server
+
+        sys.argv[1:2] = []
+        openai_server()
+        sys.exit(0)
     if arg == "--serve":
         serve(sys.argv[2])  # returns only in a forked engine process
         _run_forked(_ENGINE_REQUEST[0])

@@ -162,6 +162,11 @@ class WorkerSide:
             log.info("KVStoreConnector (worker %d): nothing is stored for this model", self.tp_rank)
             return
         by_name = dict(zip(names, caches))
+        # Device staging is outside vLLM's memory budget: one budget per copy path, shared out
+        # among the groups that stage (state groups do not).
+        staging_groups = sum(g.kind != "state" and lay is not None for g, lay in zip(self.groups, self._layouts))
+        staging = max(1 << 20, self.opts.device_staging_bytes // max(1, staging_groups))
+        land = self.opts.land_in_cache
         for pos, (group, namespace, layout) in enumerate(zip(self.groups, self.namespaces, self._layouts)):
             if all(n in by_name for n in group.layers):
                 layers = [by_name[n] for n in group.layers]
@@ -189,8 +194,6 @@ class WorkerSide:
             cache = PrefixCache(self.store, namespace, codec=self.opts.codec, auth=self.opts.record_auth(),
                                 count_tokens=counts)
             # KVTransfer checks layout, dtype, block size and layer count against the namespace.
-            land = self.opts.land_in_cache
-            staging = max(1 << 20, self.opts.device_staging_bytes // sum(g.kind != "state" for g in self.groups))
             for paths in (self.transfers, self._loaders, self._savers):
                 paths.append(KVTransfer(cache, layers, layout, land=land, staging_bytes=staging))
             if counts and group.every_chunk and self._events_config is not None and self.events is None:
