@@ -70,7 +70,7 @@ def test_cp_file_to_redis_to_s3_verified(tmp_path, redis_server, s3_server, caps
     assert f"copied {len(keys)}" in out and "cp: " in out
     expected = {k: v for k, v in contents(src).items() if k in keys}
     assert contents(redis_url) == expected
-    assert contents(s3_url) == expected
+    assert contents(s3_server.url_for("cp1", deadline="10s")) == expected  # a check, not a deadline test
     # Running it again copies nothing: everything is already there.
     assert main(["cp", "--from", redis_url, "--to", s3_url, "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
@@ -151,6 +151,48 @@ def test_cp_receives_into_buffers_it_reuses_and_holds_them_until_the_destination
     assert contents(dst_url) == contents(src_url)
     src.store.close()
     dst.store.close()
+
+
+def test_cp_retries_a_batch_a_frozen_destination_stalled_and_counts_it_once(tmp_path, redis_server_factory):
+    """A destination frozen (SIGSTOP) mid-copy costs the batch its deadline; the batch is run
+    again after a pause and completes once the server answers, its records counted once. One
+    that stays frozen past every retry is a ``StoreUnavailableError`` saying how often it tried."""
+    import threading
+
+    from servers import freeze, thaw
+
+    from kvstore.cli.copy import CopySummary, _Buffers, _copy_with_retries
+    from kvstore.cli.tiers import Tier
+    from kvstore.errors import StoreUnavailableError
+
+    server = redis_server_factory()
+    pid = server._proc.proc.pid
+    src_url = f"file://{tmp_path / 'src'}"
+    dst_url = f"{server.url}/0?prefix=cp-frozen:&timeout=200ms&connect_timeout=200ms"
+    keys = sorted(fill(src_url, "model-frozen", 8 * CHUNK))
+    src, dst = Tier(0, src_url, open_store(src_url)), Tier(1, dst_url, open_store(dst_url))
+    try:
+        summary = CopySummary(src.name, dst.name)
+        _copy_with_retries(src, dst, keys[:4], summary, _Buffers(), retries=3)
+        freeze(pid)
+        thawing = threading.Timer(1.0, thaw, (pid,))
+        thawing.start()
+        try:
+            _copy_with_retries(src, dst, keys, summary, _Buffers(), retries=3)
+        finally:
+            thawing.join()
+        assert summary.retried_batches >= 1
+        assert (summary.copied, summary.already_there, summary.invalid, summary.verify_failed) == (8, 4, 0, 0)
+        assert contents(dst_url) == contents(src_url)
+        freeze(pid)
+        try:
+            with pytest.raises(StoreUnavailableError, match="tried 2 times"):
+                _copy_with_retries(src, dst, keys, CopySummary(src.name, dst.name), _Buffers(), retries=1)
+        finally:
+            thaw(pid)
+    finally:
+        src.store.close()
+        dst.store.close()
 
 
 def test_cp_unreachable_destination_is_one_line(tmp_path, redis_server):

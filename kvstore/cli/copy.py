@@ -11,6 +11,10 @@ S3 (or back). Contract:
 * **Resumable**: a record the destination already holds with the same size is skipped, so
   running the same command again after an interruption copies only what is missing.
 * The destination is probed before anything is read: unreachable, it is one line and exit 2.
+* **Transient stalls are retried**: a batch that meets an outage or a missed deadline after the
+  probe succeeded (a server busy for a moment, a connection reset) is run again from its size
+  check, up to ``--retries`` times with a growing pause; its counts are added only once it
+  completes, so a retried batch is never counted twice. Still failing, it is one line and exit 2.
 * Progress: a bar on a terminal (tqdm when installed), ``--progress lines`` prints one line per
   batch; ``--json`` prints a summary document. Exit 0 when every record was copied or already
   there, 1 when some were skipped as invalid or failed to verify, 130 when interrupted.
@@ -61,8 +65,18 @@ class CopySummary:
     vanished: int = 0
     verify_failed: int = 0
     foreign_keys: int = 0
+    retried_batches: int = 0
     seconds: float = 0.0
     interrupted: bool = False
+
+    def add(self, batch: CopySummary) -> None:
+        """Add a completed batch's record counts."""
+        for name in _RECORD_COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(batch, name))
+
+
+_RECORD_COUNTS = ("copied", "copied_bytes", "already_there", "invalid", "vanished", "verify_failed")
+_RETRY_PAUSE_S = 0.5  # the first pause before a batch is retried; it doubles with each retry
 
 
 class _Progress:
@@ -140,7 +154,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
         bar = _Progress(mode, len(keys))
         buffers = _Buffers()
         for batch in batched(sorted(keys), args.batch):
-            _copy_batch(src, dst, batch, summary, buffers)
+            _copy_with_retries(src, dst, batch, summary, buffers, args.retries)
             bar.update(len(batch), summary)
         with unavailable_as_error(dst.name):
             if not dst.store.flush(args.flush_timeout):
@@ -201,6 +215,25 @@ def _release(leases: Iterable[Lease | None]) -> None:
             lease.release()
 
 
+def _copy_with_retries(src: Tier, dst: Tier, batch: list[str], s: CopySummary, buffers: _Buffers,
+                       retries: int) -> None:
+    """``_copy_batch`` run again on a ``StoreUnavailableError``, up to ``retries`` times with a
+    doubling pause; the batch's counts reach ``s`` only once it completes. Rerunning is safe: it
+    starts from the sizes both sides hold, and a write of the same record is idempotent."""
+    for attempt in range(retries + 1):
+        counts = CopySummary(s.source, s.destination)
+        try:
+            _copy_batch(src, dst, batch, counts, buffers)
+        except StoreUnavailableError as exc:
+            if attempt == retries:
+                raise StoreUnavailableError(f"{exc} (the batch was tried {retries + 1} times)") from exc
+            s.retried_batches += 1
+            time.sleep(_RETRY_PAUSE_S * 2 ** attempt)
+            continue
+        s.add(counts)
+        return
+
+
 def _copy_batch(src: Tier, dst: Tier, batch: list[str], s: CopySummary, buffers: _Buffers) -> None:
     src_sizes = tier_io.sizes(src, batch)
     dst_sizes = tier_io.sizes(dst, batch)
@@ -259,6 +292,8 @@ def _report(s: CopySummary, as_json: bool) -> None:
           f"({human_bytes(s.copied_bytes)}, {rate:.2f} GB/s), {s.already_there} already there, "
           f"{s.invalid} invalid (not copied), {s.vanished} vanished, {s.verify_failed} failed verification "
           f"in {s.seconds:.1f} s")
+    if s.retried_batches:
+        print(f"cp: {s.retried_batches} batch attempts met an outage or a missed deadline and were retried")
     if s.foreign_keys:
         print(f"{s.source}: left {s.foreign_keys} keys that are not kvstore records of format v{FORMAT_VERSION}")
     if s.interrupted:
@@ -272,6 +307,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--namespace", metavar="ID", help="only this namespace (default: every record)")
     p.add_argument("--batch", type=number(int, 1, 100000), default=32, metavar="N",
                    help="records per round trip (bounds memory: N x record size; default 32)")
+    p.add_argument("--retries", type=number(int, 0, 100), default=3, metavar="N",
+                   help="times a batch that meets an outage or a missed deadline is run again, "
+                        "pausing 0.5 s, 1 s, 2 s... (default 3; the destination's probe is not retried)")
     p.add_argument("--flush-timeout", type=number(float, 0, 86400), default=60.0, metavar="S",
                    help="seconds to wait at the end for the destination's pending writes (default 60)")
     p.add_argument("--progress", choices=("auto", "bar", "lines", "none"), default="auto",
