@@ -240,8 +240,9 @@ def total(metrics: dict[str, float], name: str, **labels: str) -> float:
 class OpenAIServer(ServerProcess):
     """vLLM's OpenAI server for token-id prompts (no tokenizer), the model served as ``m``, with
     kvstore's connector in ``role`` over ``conn`` (no connector when ``conn`` is None); started
-    through ``vllm_worker.py --openai``, so it runs the kernels of every test engine. ``cores``: vLLM's OMP threads bound to them (``"0"``, ``"0,1"``); with
-    ``taskset``, the server's every process too."""
+    through ``vllm_worker.py --openai``, so it runs the kernels of every test engine.
+    ``cores``: vLLM's OMP threads bound to them (``"0"``, ``"0,1"``); with ``taskset``, the
+    server's every process too."""
 
     def __init__(self, model: str, workdir: Path, *, name: str = "server", role: str = "kv_both",
                  conn: dict | None = None, dtype: str = "bfloat16", block_size: int = 32, cores: str | None = None,
