@@ -21,7 +21,8 @@ while they still fit its CPU's cache. On one server, batches of EXISTS and DEL (
 discards) go over a direct socket too, as one packed buffer whose integer replies are read in
 place.
 
-Errors: every redis-py error (refused, timed out, cluster down, OOM...) becomes
+Errors: every redis-py error (refused, timed out, cluster down or unreachable, OOM...), the
+cluster client's ``RedisClusterException`` family included, becomes
 ``StoreUnavailableError`` raised from it (``StoreTimeoutError`` when a deadline expired); a
 missing key is ``None``. No network I/O happens in the constructor: a store built while Redis
 is down works once Redis is back.
@@ -75,6 +76,12 @@ _READ_SIZE = 1 << 20
 # the limit (Waves: what the server builds in its CPU's cache, and the silence a socket may see).
 _IN_FLIGHT_BYTES = 8 << 20
 _IN_FLIGHT_LIMIT = 64 << 20
+
+#: What ``_errors`` turns into ``StoreUnavailableError``. The cluster client's own family
+#: (``RedisClusterException``: no startup node reachable, a slot no node serves, slots not all
+#: covered) is not a ``RedisError`` in redis-py 7 and later; this store sends no command that
+#: could raise one of its deterministic members (cross-slot transactions, unsupported methods).
+_OUTAGES = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
 
 #: A pipelined command: the client method's name, its arguments and its keyword arguments.
 _Command = tuple[str, tuple[Any, ...], dict[str, Any]]
@@ -199,7 +206,7 @@ class RedisStoreBase(Store):
             raise  # a caller's bug (a value of the wrong type), not an outage
         except redis.exceptions.TimeoutError as exc:
             raise StoreTimeoutError(f"{self.config.safe_url()}: {type(exc).__name__}: {exc}") from exc
-        except redis.exceptions.RedisError as exc:
+        except _OUTAGES as exc:
             raise StoreUnavailableError(f"{self.config.safe_url()}: {type(exc).__name__}: {exc}") from exc
 
     def _key(self, key: str) -> str:
