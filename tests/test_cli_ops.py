@@ -334,6 +334,31 @@ def test_read_only_commands_never_create_a_mistyped_file_store(tmp_path, argv):
     assert not (tmp_path / "typo").exists()
 
 
+@pytest.mark.parametrize("argv", [["stats"], ["ls"], ["inspect", "kvs2/x"], ["gc", "--dry-run"],
+                                  ["rm", "--namespace", "0123456789abcdef"], ["cp", "--to", "memory://"]])
+def test_read_only_commands_never_create_a_mistyped_shm_tier(tmp_path, argv):
+    typo = f"shm://typo?root={tmp_path}"
+    store = ["--from", typo] if argv[0] == "cp" else ["--store", typo]
+    rc, out, err = _kvstore(argv[0], *store, *argv[1:])
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "no shm:// tier of that name" in err and f"{tmp_path}/kvstore-typo" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_existing_shm_tier_is_read(tmp_path):
+    url = f"shm://kept?root={tmp_path}"
+    fill(url, "model-shm", 64)
+    rc, out, err = _kvstore("stats", "--store", url, "--json")
+    assert rc == 0 and json.loads(out)["tiers"][0]["records"] == 2, err
+
+
+def test_a_file_url_with_a_host_says_it_needs_an_absolute_path(tmp_path):
+    rc, _, err = _kvstore("stats", "--store", "file://data/kv")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "reads 'data' as a host name" in err and "file:///absolute/dir" in err, err
+    assert f"file://{os.path.abspath('data/kv')}" in err and "no such directory" not in err, err
+
+
 def _kvstore_exit(*argv: str) -> tuple[int, str]:
     """Exit status and stderr of ``kvstore ARGV``, argparse's own exits included."""
     import contextlib

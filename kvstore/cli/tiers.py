@@ -16,12 +16,14 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote
 
 from kvstore.cli.common import add_store_option, store_urls
 from kvstore.config import redact_url, split_url
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.stores import Store, open_store
+from kvstore.stores.file import FileStore
+from kvstore.stores.registry import backend_class, known_schemes
+from kvstore.stores.shm import ShmStore
 
 __all__ = ["Tier", "open_tiers", "batched", "human_bytes", "human_age", "print_table", "emit_json", "sizes",
            "iter_tier_keys", "unavailable_as_error", "add_common_options", "BATCH_KEYS"]
@@ -54,15 +56,23 @@ def unavailable_as_error(tier_name: str) -> Iterator[None]:
 
 
 def require_existing(url: str, what: str = "store") -> None:
-    """ConfigError if ``url`` is a ``file://`` store whose directory does not exist.
+    """ConfigError if ``url`` names a store of this host (``file://``, ``shm://``: a directory,
+    created when the store opens) that does not exist yet.
 
-    Opening a file store creates its directory; a command that only reads (or removes) must not
-    leave one behind for a mistyped path, and a copy from nothing is an error, not "0 records".
+    A command that only reads (or removes) must not leave a store behind for a mistyped path or
+    name, and a copy from nothing is an error, not "0 records". The URL is read by the backend's
+    own configuration, so a malformed one gets the backend's error (``file://host/path``).
     """
-    parts = split_url(url)  # a ConfigError for what urlsplit cannot parse ("redis://[::1")
-    if parts.scheme == "file" and not os.path.isdir(unquote(parts.path)):
-        raise ConfigError(f"{what} {redact_url(url)!r}: no such directory {unquote(parts.path)!r} "
-                          "(nothing was created)")
+    scheme = split_url(url).scheme.lower()  # a ConfigError for what urlsplit cannot parse ("redis://[::1")
+    if scheme not in known_schemes():
+        return  # opening it says what is wrong
+    cls = backend_class(scheme)
+    if not issubclass(cls, FileStore):
+        return
+    directory = cls.Config.from_url(url).path
+    if not os.path.isdir(directory):
+        tier = "no shm:// tier of that name: " if issubclass(cls, ShmStore) else ""
+        raise ConfigError(f"{what} {redact_url(url)!r}: {tier}no such directory {directory!r} (nothing was created)")
 
 
 @contextmanager

@@ -74,7 +74,9 @@ class FileConfig:
     def from_url(cls, url: str) -> FileConfig:
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
-            raise ConfigError(f"file:// URLs take an absolute path (file:///var/cache/kv), got host {parts.netloc!r}")
+            meant = os.path.abspath(os.path.expanduser(parts.netloc + unquote(parts.path)))
+            raise ConfigError(f"file URL {url.split('?')[0]!r} reads {parts.netloc!r} as a host name: file URLs need an "
+                              f"absolute path after three slashes, file:///absolute/dir (here perhaps file://{meant})")
         path = unquote(parts.path)
         if not path:
             raise ConfigError(f"file:// URL {url!r} has no path; use file:///absolute/dir")
