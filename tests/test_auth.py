@@ -127,7 +127,7 @@ def test_keys_from_a_file_or_the_environment(tmp_path, monkeypatch, caplog):
 
 def test_a_configured_key_without_blake3_is_a_config_error_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "blake3", None)  # import blake3 -> ImportError
-    with pytest.raises(ConfigError, match=r"kvstore-llm\[auth\]"):
+    with pytest.raises(ConfigError, match=r"pip install 'blake3>=1\.0' \(or pip install '\.\[auth\]' in a kvstore checkout\)"):
         RecordAuth([KEY_A])
 
 

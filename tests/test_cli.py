@@ -344,3 +344,31 @@ def test_the_command_runs_on_a_core_install_without_redis_or_boto3(tmp_path):
             f"sys.exit(main(['selftest', '--tokens', '300', '--layers', '2', '--store', 'file://{tmp_path / 'kv'}']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "selftest: OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_missing_client_gets_an_install_hint_that_works(tmp_path):
+    """The distribution is on no package index: the hint names the client package as setup.cfg's
+    extra lists it, and the checkout's extra."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    (requirement,) = cfg["options.extras_require"]["redis"].split()
+    code = ("import sys; sys.modules.update(redis=None)\n"
+            "from kvstore.cli import main\n"
+            "sys.exit(main(['stats', '--store', 'redis://127.0.0.1:1/0']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    from packaging.requirements import Requirement
+
+    hinted = proc.stderr.split("pip install '", 1)[1].split("'", 1)[0]
+    assert Requirement(hinted).name == "redis" and Requirement(hinted).specifier == Requirement(requirement).specifier
+    assert "(or pip install '.[redis]' in a kvstore checkout)" in proc.stderr, proc.stderr
+
+
+def test_no_hint_names_the_distribution_with_an_extra():
+    """``pip install 'kvstore-llm[redis]'`` finds nothing on any index."""
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "README.md", *root.glob("docs/*.md"), *root.glob("kvstore/**/*.py"), *root.glob("docker/*")]
+    offenders = [str(f.relative_to(root)) for f in files if f.is_file() and "kvstore-llm[" in f.read_text()]
+    assert not offenders

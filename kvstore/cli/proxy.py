@@ -4,7 +4,7 @@ Each request goes to a prefill server (``--prefill``, a vLLM server with ``KVSto
 ``kv_producer``) with ``max_tokens=1``, then to a decode server (``--decode``, ``kv_consumer``) with
 the prefill's ``kv_transfer_params``: the decode server loads the prompt's KV from the store
 instead of computing it. Without a healthy prefill server the decode server prefills itself.
-Needs aiohttp (``pip install kvstore-llm[proxy]``), not vLLM.
+Needs aiohttp (the ``proxy`` extra), not vLLM.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import argparse
 
 from kvstore.cli.common import number
 from kvstore.errors import ConfigError
+from kvstore.extras import install_hint
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from kvstore.proxy.app import serve
     except ImportError as exc:
-        raise ConfigError(f"kvstore proxy needs aiohttp ({exc}): pip install 'kvstore-llm[proxy]'") from None
+        raise ConfigError(f"kvstore proxy needs aiohttp ({exc}): {install_hint('proxy')}") from None
     from kvstore.proxy.pools import ProxyConfig
 
     config = ProxyConfig(prefill=tuple(args.prefill), decode=tuple(args.decode), policy=args.policy,

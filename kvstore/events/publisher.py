@@ -54,6 +54,7 @@ from kvstore.events.wire import (
     block_hash,
     encode_batch,
 )
+from kvstore.extras import install_hint
 from kvstore.keys import ChunkKey, TokenIds, split_key, tokens_to_array
 from kvstore.metrics.catalog import KV_EVENT_DROPS, KV_EVENTS
 from kvstore.stores.base import Evicting, Store
@@ -184,7 +185,7 @@ class KVEventPublisher:
         try:
             import zmq
         except ImportError as exc:
-            raise ConfigError("KV events need pyzmq: pip install 'kvstore-llm[events]' (or pyzmq)") from exc
+            raise ConfigError(f"KV events need pyzmq: {install_hint('events')}") from exc
         self.config = c = config or EventsConfig()
         self._zmq = zmq
         self._ctx: Any = zmq.Context.instance()

@@ -14,7 +14,7 @@ per server (``watch_store``), a Redis Cluster one per primary (listed from the c
 when the watchers start; a primary promoted later is not watched until they start again), since
 each node notifies only of its own keys.
 
-Needs ``redis`` (the ``kvstore-llm[redis]`` extra), imported when a watcher starts.
+Needs ``redis`` (redis-py, the ``redis`` extra), imported when a watcher starts.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import threading
 from typing import Any, Protocol
 
 from kvstore.errors import ConfigError
+from kvstore.extras import install_hint
 from kvstore.stores.base import Store
 from kvstore.stores.redis.config import RedisConfig
 
@@ -55,7 +56,7 @@ class RedisRemovalWatcher:
         try:
             import redis
         except ImportError as exc:
-            raise ConfigError("watching Redis removals needs redis-py: pip install 'kvstore-llm[redis]'") from exc
+            raise ConfigError(f"watching Redis removals needs redis-py: {install_hint('redis')}") from exc
         if config.cluster:
             raise ConfigError("a Redis Cluster notifies per node: watch each primary with its own redis:// URL")
         self._redis = redis

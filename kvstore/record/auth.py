@@ -24,7 +24,7 @@ Keys:
   there is re-signed into the current space by their next save (``PrefixCache``). A keyless
   reader and keyed writers do not share records either: each keeps to its own space.
 
-``blake3`` is an optional dependency (``pip install 'kvstore-llm[auth]'``): kvstore imports without
+``blake3`` is an optional dependency (the ``auth`` extra): kvstore imports without
 it, and configuring a key without it is a ``ConfigError`` naming the extra.
 """
 
@@ -40,6 +40,7 @@ from typing import Any
 
 from kvstore.config import option
 from kvstore.errors import ConfigError, CorruptRecordError
+from kvstore.extras import install_hint
 from kvstore.types import Buffer
 
 __all__ = ["RecordAuth", "TagKeys", "TAG_BYTES", "KEY_ID_BYTES", "MAX_PREVIOUS_WINDOW", "shared_auth",
@@ -65,7 +66,7 @@ def _blake3() -> Any:
         import blake3
     except ImportError as exc:
         raise ConfigError("record authentication (auth_key_file / auth_key_env) needs the blake3 package: "
-                          "pip install 'kvstore-llm[auth]'") from exc
+                          f"{install_hint('auth')}") from exc
     return blake3
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvstore.buffers import copy_bytes
 from kvstore.errors import ConfigError, CorruptRecordError
+from kvstore.extras import install_hint
 from kvstore.types import Buffer, array_view
 
 #: User-facing names of codec chains (``codec=`` option) -> the chain recorded in headers.
@@ -75,7 +76,7 @@ def _zstd() -> ModuleType:
     try:
         import zstandard
     except ImportError as exc:
-        raise ConfigError("codec zstd needs the zstandard package: pip install 'kvstore-llm[zstd]'") from exc
+        raise ConfigError(f"codec zstd needs the zstandard package: {install_hint('zstd')}") from exc
     return zstandard
 
 

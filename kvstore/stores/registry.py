@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 from kvstore.config import check_url, redact_url
 from kvstore.errors import ConfigError
+from kvstore.extras import install_hint
 from kvstore.stores.base import Store
 
 __all__ = ["Backend", "BACKENDS", "register_backend", "known_schemes", "backend_class", "open_backend"]
@@ -28,7 +29,7 @@ class Backend:
     target: str
     #: Its options dataclass (``"module:Class"``), for the configuration reference.
     config: str = ""
-    #: The ``pip install 'kvstore-llm[extra]'`` that brings its client library ("" if none is needed).
+    #: The extra (setup.cfg) that brings its client library ("" if none is needed): ``install_hint``.
     extra: str = ""
     #: URL forms, for the configuration reference.
     forms: tuple[str, ...] = ()
@@ -106,7 +107,7 @@ def backend_class(scheme: str) -> type[Store]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        hint = f"; install it with: pip install 'kvstore-llm[{backend.extra}]'" if backend.extra else ""
+        hint = f"; install it with: {install_hint(backend.extra)}" if backend.extra else ""
         raise ConfigError(f"the {scheme}:// store needs a package that is not installed ({exc}){hint}") from exc
     cls: type[Store] = getattr(module, class_name)
     return cls

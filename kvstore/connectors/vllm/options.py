@@ -121,7 +121,7 @@ class VLLMConnectorOptions:
     kv_events_endpoint: str = option(
         "", help="Publish KV events for routers (docs/routing.md): BlockStored for what this engine saves, "
         "BlockRemoved for its tiers' evictions, in vLLM's wire format on this ZMQ PUB address (e.g. "
-        "tcp://*:5557; TP rank 0 publishes; needs kvstore-llm[events]). Empty: no events.")
+        "tcp://*:5557; TP rank 0 publishes; needs pyzmq, the `events` extra). Empty: no events.")
     kv_events_replay_endpoint: str = option(
         "", help="ZMQ ROUTER address (bound) that replays buffered event batches from a sequence number, "
         "as vLLM's replay socket does (e.g. tcp://*:5558). Empty: no replay.")
