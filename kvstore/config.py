@@ -110,14 +110,43 @@ def parse_duration(text: str | float, *, name: str = "duration") -> float:
     return value
 
 
+def format_number(x: float) -> str:
+    """``x`` exactly, as a person reads it: a whole number in full (``1048576``, never
+    ``1.04858e+06``), any other the shortest decimal that reads back as ``x`` (``0.001``)."""
+    if isinstance(x, float) and x.is_integer():
+        return str(int(x))
+    return str(x) if isinstance(x, int) else repr(x)
+
+
+_BINARY_UNITS = (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def format_size(n: float) -> str:
+    """A byte count exactly, in its largest whole binary unit where it has one: ``1 MiB``,
+    ``1000000 bytes``, ``1 byte``."""
+    if isinstance(n, (int, float)) and n and float(n).is_integer():
+        for unit, size in _BINARY_UNITS:
+            if int(n) % size == 0:
+                return f"{int(n) // size} {unit}"
+    return f"{format_number(n)} byte{'' if n == 1 else 's'}"
+
+
 def check_range(name: str, value: float, lo: float, hi: float, *, unit: str = "", given: Any = None) -> None:
     """``ConfigError`` unless ``lo <= value <= hi`` (NaN never is), naming the value (``given``:
-    as the user wrote it, when ``value`` was converted from it) and the range."""
+    as the user wrote it, when ``value`` was converted from it) and the range, exactly (sizes,
+    ``unit=" bytes..."``, in binary units where they are whole ones)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        sizes = unit.startswith(" bytes")
+
         def show(x: float) -> str:
-            return str(x) if isinstance(x, int) else f"{x:g}"
-        shown = repr(value) if given is None or given == value else f"{given!r} ({show(value)}{unit})"
-        raise ConfigError(f"{name}={shown} is out of range; accepted: {show(lo)} to {show(hi)}{unit}")
+            return format_size(x) if sizes else format_number(x) + unit
+
+        shown = repr(value if given is None else given)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and show(value) != shown:
+            shown += f" ({show(value)})"
+        accepted = (f"{format_size(lo)} to {format_size(hi)}{unit[len(' bytes'):]}" if sizes
+                    else f"{format_number(lo)} to {format_number(hi)}{unit}")
+        raise ConfigError(f"{name}={shown} is out of range; accepted: {accepted}")
 
 
 def check_text(name: str, text: str) -> None:

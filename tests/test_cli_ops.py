@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -410,6 +411,14 @@ def test_a_bad_number_is_one_line_and_exit_2(tmp_path, command, flag):
     rc, err = _kvstore_exit(command, *required, flag, "-99999999999")
     assert rc == 2 and f"argument {flag}: " in err and "out of range" in err, (command, err)
     assert len(err.strip().splitlines()) == 1 and "unexpected" not in err, err
+    assert not re.search(r"\de[+-]\d", err), err  # the range exactly, never 1.04858e+06
+
+
+def test_a_range_error_gives_the_exact_bounds():
+    rc, err = _kvstore_exit("warm", "prompts.jsonl", "--chunk-tokens", "0")
+    assert rc == 2 and "give 1 to 1048576 " in err, err
+    rc, err = _kvstore_exit("ls", "--limit", "0")
+    assert rc == 2 and f"give 1 to {2**62} " in err, err
 
 
 def test_the_readme_command_table_matches_each_commands_flags():

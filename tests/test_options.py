@@ -14,7 +14,7 @@ import pytest
 
 from kvstore import ConfigError, open_store
 from kvstore.cli import main
-from kvstore.config import MAX_SIZE, parse_duration, parse_size
+from kvstore.config import MAX_SIZE, format_number, format_size, parse_duration, parse_size
 from kvstore.connectors.agent import AgentConfig
 from kvstore.stores.base import Store
 from kvstore.stores.redis import RedisConfig
@@ -186,3 +186,13 @@ def test_console_script_bad_url_no_traceback_no_hang(url):
                           text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)  # the hang guard
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value, number, size", [
+    (1048576, "1048576", "1 MiB"), (1048576.0, "1048576", "1 MiB"), (1 << 44, str(1 << 44), "16 TiB"),
+    (1000000, "1000000", "1000000 bytes"), (1, "1", "1 byte"), (0, "0", "0 bytes"), (0.001, "0.001", "0.001 bytes"),
+    (315360000.0, "315360000", "315360000 bytes"), (2**62, str(2**62), "4096 PiB"),
+])
+def test_numbers_in_messages_are_exact(value, number, size):
+    """Never ``1.04858e+06``: a whole number in full, a size in its largest whole binary unit."""
+    assert format_number(value) == number and format_size(value) == size

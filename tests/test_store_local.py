@@ -194,7 +194,7 @@ def test_file_store_budget_holds_across_processes(tmp_path):
     ("file:///tmp/x?fsync=maybe", "fsync='maybe' is not a boolean"),
     ("file:///tmp/x?low_water=2", "low_water='2' (2) is out of range; accepted: 0.01 to 1"),
     ("file:///tmp/x?max_bytes=9EiB", "max_bytes='9EiB'"),
-    ("shm://t?max_bytes=0", "max_bytes='0' (0 bytes) is out of range; accepted: 1 to"),
+    ("shm://t?max_bytes=0", "max_bytes='0' (0 bytes) is out of range; accepted: 1 byte to 16 TiB"),
     ("shm://t?map_cache=-1", "map_cache"),
     ("localhost:6379", "has no scheme"),
 ])

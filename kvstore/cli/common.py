@@ -7,7 +7,7 @@ import math
 import os
 from collections.abc import Callable
 
-from kvstore.config import split_urls
+from kvstore.config import format_number, split_urls
 
 __all__ = ["ENV_STORE", "default_store_urls", "add_store_option", "store_urls", "number"]
 
@@ -48,7 +48,7 @@ def number(kind: type[int] | type[float], lo: float, hi: float) -> Callable[[str
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
         if not (lo <= value <= hi) or (isinstance(value, float) and math.isnan(value)):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: give {lo:g} to {hi:g}")
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give {format_number(lo)} to {format_number(hi)}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
