@@ -372,3 +372,63 @@ def test_no_hint_names_the_distribution_with_an_extra():
     files = [root / "README.md", *root.glob("docs/*.md"), *root.glob("kvstore/**/*.py"), *root.glob("docker/*")]
     offenders = [str(f.relative_to(root)) for f in files if f.is_file() and "kvstore-llm[" in f.read_text()]
     assert not offenders
+
+
+@pytest.mark.parametrize("argv", [["ls"], ["inspect", "KEY"], ["selftest", "--tokens", "300", "--layers", "2"]])
+def test_output_into_a_pipe_its_reader_closed_ends_quietly(store_url, argv):
+    """``kvstore ls | head``: the reader leaves, the command stops without a word, with the
+    status a shell reports for a Unix tool stopped by SIGPIPE."""
+    keys = _fill(store_url, "model-pipe", 100)
+    argv = [keys[0] if a == "KEY" else a for a in argv]
+    proc = subprocess.Popen(_console_script() + [*argv, "--store", store_url], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first line is written
+    err = proc.stderr.read()
+    assert proc.wait(120) == 141 and err == "", err
+
+
+def test_a_broken_pipe_that_is_not_the_output_is_still_reported(monkeypatch, capsys):
+    """A BrokenPipeError from elsewhere (a socket) is an unexpected error, not a quiet exit."""
+    import kvstore.cli.browse as browse
+
+    def broken(args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(browse, "open_tiers", broken)
+    rc, _, err = run_cli(capsys, "stats", "--store", "memory://")
+    assert rc == 1 and "unexpected error: BrokenPipeError" in err
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_before_or_after_the_subcommand_shows_the_traceback(where):
+    flag = ["--verbose"]
+    argv = [*flag, "stats", "--store", "memory://"] if where == "before" else ["stats", "--store", "memory://", *flag]
+    code = ("import sys, kvstore.cli.browse as browse\n"
+            "def boom(args): raise RuntimeError('a bug')\n"
+            "browse.open_tiers = boom\n"
+            "from kvstore.cli import main\n"
+            f"sys.exit(main({argv!r}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" in proc.stderr and "RuntimeError: a bug" in proc.stderr, proc.stderr
+    assert "run with --verbose" not in proc.stderr
+
+
+def test_verbose_is_off_unless_given():
+    from kvstore.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["ls"]).verbose is False
+    assert parser.parse_args(["-v", "ls"]).verbose is True and parser.parse_args(["ls", "-v"]).verbose is True
+
+
+@pytest.mark.parametrize("command", [["kvstore"], [sys.executable, "-m", "kvstore"]])
+def test_version_and_python_dash_m(command):
+    from kvstore import FORMAT_VERSION, __version__
+
+    if command == ["kvstore"]:
+        command = _console_script()
+    proc = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == f"kvstore {__version__} (record format {FORMAT_VERSION})\n"
+    proc = subprocess.run([*command, "stats", "--store", "memory://", "--json"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and json.loads(proc.stdout)["tiers"][0]["records"] == 0, proc.stderr
