@@ -182,6 +182,18 @@ def test_rm_single_keys(store_url, capsys):
         assert [s.exists(k) for k in keys] == [True, True, True, False]
 
 
+@pytest.mark.parametrize("yes", [[], ["--yes"]])
+def test_rm_refuses_keys_that_are_not_kvstore_records(store_url, capsys, yes):
+    keys = _fill(store_url, "m", 100)
+    with open_store(store_url) as s:
+        s.put("someone/else", b"theirs")
+    rc, out, err = run_cli(capsys, "rm", "--store", store_url, keys[0], "someone/else", *yes)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "'someone/else' is not a kvstore record key" in err and "never removed" in err
+    with open_store(store_url) as s:
+        assert s.exists("someone/else") and s.exists(keys[0])  # nothing removed, not even the good key
+
+
 def test_gc_removes_expired_old_format_and_undecodable(store_url, capsys):
     old = _fill(store_url, "old", 64, created=time.time() - 10 * 86400)
     fresh = _fill(store_url, "fresh", 64, seed=2)

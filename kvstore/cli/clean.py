@@ -40,6 +40,12 @@ from kvstore.record import decode_record, header_extent, read_header
 def cmd_rm(args: argparse.Namespace) -> int:
     if not args.namespace and not args.keys:
         raise ConfigError("kvstore rm needs --namespace ID or one or more KEYs")
+    foreign = [k for k in args.keys if split_key(k) is None]
+    if foreign:
+        raise ConfigError(f"{', '.join(map(repr, foreign[:3]))}{' ...' if len(foreign) > 3 else ''} "
+                          f"{'is not a kvstore record key' if len(foreign) == 1 else 'are not kvstore record keys'} "
+                          f"({KEY_STEM}<version>/<namespace>/<digest>, as `kvstore ls` prints them); "
+                          "keys of another shape belong to someone else and are never removed")
     prefix = namespace_prefix(args.namespace) if args.namespace else None
     report: list[dict[str, Any]] = []
     with open_tiers(args) as tiers:
