@@ -114,6 +114,21 @@ def test_dry_run_and_a_missing_required_variable(tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "REDIS_PASSWORD" in bad.stderr
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--only", "redis,vlm"], "--only: no service 'vlm'; accepted: redis, minio, vllm"),
+    (["--only", "redis,"], "--only: no service ''; accepted: redis, minio, vllm"),
+    (["--env-file", "/nonexistent/.env"], "env file '/nonexistent/.env' cannot be read: No such file or directory"),
+])
+def test_a_mistyped_service_or_a_missing_env_file_is_one_line(capsys, argv, message):
+    """A typo in --only would silently drop a service (vLLM); a missing env file is named."""
+    from kvstore.cli import main
+
+    argv = ["--env-file", str(ENV_EXAMPLE), *argv] if "--env-file" not in argv else argv
+    rc = main(["dev-stack", "--compose-file", str(COMPOSE), *argv, "--dry-run"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.strip() == f"kvstore dev-stack: error: {message}", err
+
+
 def planned_store_urls(ports: dict[str, str], scratch: Path) -> list[str]:
     """The store URLs the stack's vLLM server is given (the file's, pointed at host ports)."""
     from kvstore.cli.compose import arg_value, load_compose

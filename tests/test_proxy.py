@@ -277,3 +277,25 @@ def test_the_command_refuses_a_bad_set_up_in_one_line(capsys):
     assert "at least one decode server" in capsys.readouterr().err
     assert main(["proxy", "--decode", "localhost:8000"]) == 2
     assert "not an http(s) base URL" in capsys.readouterr().err
+
+
+def test_the_command_says_where_it_listens_and_a_taken_port_is_one_line():
+    import signal
+    import subprocess
+    import sys
+
+    port = int(dead_url().rsplit(":", 1)[1])
+    argv = [sys.executable, "-m", "kvstore", "proxy", "--decode", dead_url(), "--port", str(port)]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = first.stdout.readline()
+        assert line.startswith(f"kvstore proxy: listening on http://127.0.0.1:{port} ("), line
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2 and second.stdout == "", second.stderr
+        assert second.stderr.strip() == (f"kvstore proxy: error: cannot listen on 127.0.0.1:{port}: Address already "
+                                          "in use (another server has the port: choose another with --port)")
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.wait(30)
+        first.stdout.close()
+        first.stderr.close()

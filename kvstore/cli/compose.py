@@ -43,9 +43,15 @@ class Compose:
 
 
 def read_env_file(path: str | Path) -> dict[str, str]:
-    """``KEY=value`` lines of a Compose env file (blank lines and ``#`` comments skipped)."""
+    """``KEY=value`` lines of a Compose env file (blank lines and ``#`` comments skipped);
+    ``ConfigError`` naming the file when it cannot be read."""
     values: dict[str, str] = {}
-    for line in Path(path).read_text().splitlines():
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"env file {str(path)!r} cannot be read: {reason}") from exc
+    for line in text.splitlines():
         m = re.match(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=(.*)$", line)
         if m:
             value = m.group(2).strip()

