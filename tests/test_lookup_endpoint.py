@@ -320,6 +320,18 @@ def test_bounds_on_size(registry):
         start_metrics_server(0, lookups=registry, lookup_max_tokens=0)
 
 
+def test_what_http_server_answers_itself_is_json_too(client):
+    """A request http.server refuses never reaches a handler (here a header over its 64 KiB):
+    it answers itself, in the JSON of every other error."""
+    import socket
+
+    with socket.create_connection((client.host, client.port), timeout=10) as sock:
+        sock.sendall(b"GET /metrics HTTP/1.1\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n")
+        head, _, body = sock.makefile("rb").read().partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 431 ") and b"Content-Type: application/json" in head, head
+    assert json.loads(body) == {"error": "Line too long"}
+
+
 # -- no write path ------------------------------------------------------------------------------------
 def test_read_only(client, registry, redis_server):
     red = open_store(redis_server.url)
@@ -335,7 +347,11 @@ def test_read_only(client, registry, redis_server):
                 assert status == 405 and "read-only" in doc["error"], (method, path)
                 assert "PUT" not in headers["Allow"] and "DELETE" not in headers["Allow"]
         assert client.request("GET", "/v1/lookup")[0] == 405
-        assert client.request("OPTIONS", "/v1/lookup")[0] == 501
+        for method in ("OPTIONS", "TRACE", "BREW"):  # no handler: http.server's 501, in our JSON
+            status, headers, doc = client.request(method, "/v1/lookup")
+            assert status == 501 and headers["Content-Type"] == "application/json", (method, doc)
+            assert doc == {"error": f"{method} is not a method this server answers (GET, HEAD, POST); "
+                                    "the endpoint is read-only"}
         assert client.request("POST", "/metrics", b"{}")[0] == 405
         assert client.request("POST", "/v1/nope", b"{}")[0] == 404
         for _ in range(3):

@@ -20,7 +20,8 @@ leading tokens of given token ids the store holds, per tier, for a namespace) an
 method is answered 405 and nothing writes. Bad requests get a one-line JSON reason (400; 404 for
 an unknown namespace or path; 411 without a ``Content-Length``; 413 for a body over the bound);
 lookups in flight are bounded (503 beyond), and a client that stops sending its body is cut off
-after ``REQUEST_TIMEOUT``. ``lookups=None`` (or ``KVSTORE_METRICS_LOOKUP=0``) turns them off.
+after ``REQUEST_TIMEOUT``. What http.server answers itself (501 for a method it has no handler
+for, 400 for a malformed request line) is JSON too. ``lookups=None`` (or ``KVSTORE_METRICS_LOOKUP=0``) turns them off.
 """
 
 from __future__ import annotations
@@ -117,6 +118,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, answer)
         finally:
             self.in_flight.release()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own answers (an unsupported method: 501; a malformed request line, an
+        over-long header: 400, 414, 431) in the JSON of every other error, not its HTML page."""
+        self.log_message("code %d, message %s", code, message)
+        if code == 501 and self.command:
+            reason = f"{self.command} is not a method this server answers (GET, HEAD, POST); the endpoint is read-only"
+        else:
+            reason = message or self.responses.get(code, ("error",))[0]
+        self._error(code, reason, close=True)
 
     def _reject_write(self) -> None:
         path = self.path.split("?", 1)[0]
