@@ -36,6 +36,9 @@ ENVIRONMENT = [
      "Address for `start_from_env()` (default `127.0.0.1`; `0.0.0.0` inside a container)."),
     ("KVSTORE_METRICS_PORT_RANGE", "kvstore.metrics.server:ENV_PORT_RANGE",
      "How many consecutive ports `start_from_env()` tries (default 4): one per engine process."),
+    ("KVSTORE_METRICS_LOOKUP", "kvstore.metrics.server:ENV_LOOKUP",
+     "`0` (or `false`, `no`, `off`) turns off the router lookups (`POST /v1/lookup`, `GET /v1/namespaces`: "
+     "docs/lookup.md) that the server of `start_from_env()` answers beside `/metrics` (default `1`)."),
     ("KVSTORE_WARM_API_KEY", None,
      "Bearer token `kvstore warm --engine server` sends (else `OPENAI_API_KEY`)."),
 ]

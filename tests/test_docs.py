@@ -86,3 +86,15 @@ def test_documented_commands_exist():
         code = "\n".join(re.findall(r"```.*?```", text, re.S) + re.findall(r"`[^`\n]+`", text))
         for cmd in set(re.findall(r"(?<![\w/.-])kvstore ([a-z][a-z-]*)", code)):
             assert cmd in commands, f"docs/{name} mentions `kvstore {cmd}`, which does not exist"
+
+
+def test_every_environment_variable_kvstore_reads_is_documented():
+    """Every ``KVSTORE_*`` name in the library is in configuration.md's table (dev-stack's
+    compose-file variables, such as ``KVSTORE_BUCKET``, are the compose file's own)."""
+    names = set()
+    for path in (ROOT / "kvstore").rglob("*.py"):
+        if path.name not in ("devstack.py", "compose.py"):
+            names |= set(re.findall(r"[\"'](KVSTORE_[A-Z0-9_]+)[\"']", path.read_text()))
+    documented = {name for name, _, _ in docs.ENVIRONMENT}
+    assert names and names <= documented, sorted(names - documented)
+    assert "| `KVSTORE_METRICS_LOOKUP` |" in (ROOT / "docs" / "configuration.md").read_text()
