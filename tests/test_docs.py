@@ -98,3 +98,53 @@ def test_every_environment_variable_kvstore_reads_is_documented():
     documented = {name for name, _, _ in docs.ENVIRONMENT}
     assert names and names <= documented, sorted(names - documented)
     assert "| `KVSTORE_METRICS_LOOKUP` |" in (ROOT / "docs" / "configuration.md").read_text()
+
+
+def _extras() -> dict[str, list[str]]:
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return {name: value.split() for name, value in cfg["options.extras_require"].items()}
+
+
+def test_the_readme_names_every_extra_and_only_those():
+    readme = (ROOT / "README.md").read_text()
+    paragraph = re.search(r"Extras: (.*?`all`)\.", readme, re.S)
+    assert paragraph, "README.md lists the extras as `Extras: ... `all`.`"
+    named = re.findall(r"(?:^|,\s+)`([a-z0-9_-]+)`", paragraph.group(1))
+    assert sorted(named) == sorted(_extras())
+
+
+def test_every_feature_extra_installs_only_what_kvstore_imports():
+    """An extra nothing imports (``metrics`` named prometheus-client, which only vLLM uses) is a
+    promise kvstore does not keep."""
+    from importlib.metadata import packages_distributions
+
+    from packaging.requirements import Requirement
+
+    modules_of: dict[str, set[str]] = {}
+    for module, dists in packages_distributions().items():
+        for dist in dists:
+            modules_of.setdefault(dist.lower().replace("_", "-"), set()).add(module)
+    source = "\n".join(p.read_text() for p in (ROOT / "kvstore").rglob("*.py"))
+    for extra, requirements in _extras().items():
+        if extra in ("test", "bench", "all"):
+            continue
+        for line in requirements:
+            dist = Requirement(line).name.lower().replace("_", "-")
+            modules = modules_of.get(dist)
+            if not modules:
+                pytest.skip(f"{dist} (extra {extra}) is not installed here")
+            assert any(re.search(rf"^\s*(?:import|from) {re.escape(m)}\b", source, re.M) for m in modules), (
+                f"the {extra!r} extra installs {dist}, which no kvstore module imports")
+
+
+def test_the_readme_says_what_gc_removes_as_the_code_does():
+    """gc removes old-format, undecodable and misplaced records (expired ones with --older-than)
+    and never touches keys that are not kvstore's (``kvstore.cli.clean``, docs/operations.md)."""
+    readme = (ROOT / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if "`gc [--older-than" in line)
+    for reason in ("old-format", "undecodable", "misplaced", "expired", "never keys that are not kvstore's"):
+        assert reason in row, reason
+    assert "foreign" not in row

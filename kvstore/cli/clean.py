@@ -247,7 +247,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--yes", action="store_true", help="really remove (without it, only report what would go)")
     p.set_defaults(func=cmd_rm)
 
-    p = sub.add_parser("gc", help="remove expired, old-format or undecodable records")
+    p = sub.add_parser("gc", help="remove old-format, undecodable or misplaced records (and expired ones, with "
+                                  "--older-than); other keys are left alone")
     add_common_options(p)
     p.add_argument("--older-than", metavar="AGE", help="also remove records created longer ago than AGE (e.g. 7d, 12h)")
     p.add_argument("--namespace", metavar="ID", help="only this namespace")

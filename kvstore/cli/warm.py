@@ -1,7 +1,8 @@
 """``kvstore warm PROMPTS.jsonl``: fill a store with the KV of known prompts, offline.
 
 Each line is ``{"prompt_token_ids": [...]}`` or ``{"text": "..."}`` (with ``--tokenizer``).
-Engines: ``reference`` (the in-package reference engine, in-process), ``vllm`` (vLLM in-process
+Engines: ``reference`` (the in-package reference engine, in-process: kvstore's small model of
+demos and tests, whose vocabulary a real model's token ids exceed), ``vllm`` (vLLM in-process
 with the kvstore connector, ``--model DIR``) and ``server`` (a running vLLM OpenAI-compatible
 server with the connector configured, ``--url``). Prompts already fully stored are skipped, so
 an interrupted run can simply be started again. Exit status: 0 when every line was warmed or
@@ -31,7 +32,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("prompts", metavar="PROMPTS.jsonl", help='one {"prompt_token_ids": [...]} or {"text": "..."} per line; - for stdin')
     p.add_argument("--engine", choices=("reference", "vllm", "server"), default="reference",
-                   help="what computes the KV (default: reference)")
+                   help="what computes the KV: your model in vLLM (vllm, --model DIR), a running vLLM server "
+                        "(server, --url URL), or kvstore's small built-in model for demos and tests (reference, "
+                        "the default: token ids below its vocabulary, 256 with --preset tiny)")
     add_store_option(p)
     p.add_argument("--tokenizer", metavar="PATH", help="local Hugging Face tokenizer directory for text prompts")
     p.add_argument("--no-special-tokens", action="store_true",

@@ -60,7 +60,11 @@ class ReferenceWarmEngine(WarmEngine):
         if len(tokens) > self._max_tokens:
             raise ValueError(f"prompt of {len(tokens)} tokens exceeds the engine's cache of {self._max_tokens} tokens")
         if max(tokens) >= self.config.vocab_size:
-            raise ValueError(f"token id {max(tokens)} is outside the model's vocabulary of {self.config.vocab_size}")
+            sizes = ", ".join(f"{name}: {c.vocab_size}" for name, c in PRESETS.items())
+            raise ConfigError(
+                f"token id {max(tokens)} is outside the reference engine's vocabulary of {self.config.vocab_size} "
+                f"(presets: {sizes}). It is kvstore's small built-in model, for demos and tests; to warm your "
+                "model's cache, run it: --engine vllm --model DIR, or --engine server --url URL")
         self.runner.generate([list(tokens)], max_new_tokens=1)
 
     def bytes_written(self) -> int:

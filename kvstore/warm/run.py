@@ -10,7 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore.errors import KVStoreError
+from kvstore.errors import ConfigError, KVStoreError
 from kvstore.keys import ChunkKey
 from kvstore.metrics.catalog import WARM_PROMPTS
 from kvstore.warm.engine import WarmEngine
@@ -160,6 +160,10 @@ class _Run:
                 WARM_PROMPTS.inc(result="failed")
                 plain = isinstance(error, (KVStoreError, RuntimeError))
                 self.report(prompt.line, "failed", str(error) if plain else f"{type(error).__name__}: {error}")
+                if isinstance(error, ConfigError) and s.aborted is None:
+                    # The engine does not fit the prompts (another model's token ids): every
+                    # line after this one would fail the same way.
+                    s.aborted = f"line {prompt.line} does not fit the engine (above); the rest were not tried"
                 if self.consecutive >= self.max_failures and s.aborted is None:
                     s.aborted = f"{self.consecutive} prompts failed in a row; the engine looks down"
             else:
