@@ -65,7 +65,7 @@ from kvstore.stores import Store, shared  # noqa: F401 - shared's exit hook must
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WorkerSide", "live_workers"]
+__all__ = ["WorkerSide", "allow_amx_tiles", "live_workers"]
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -99,10 +99,31 @@ class _Load:
     cancel: threading.Event
 
 
+def allow_amx_tiles() -> bool:
+    """Ask Linux for this process's AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, through
+    torch) on a CPU with AMX tiles; whether it is granted. Idempotent.
+
+    vLLM CPU 0.32's own AMX kernels (its ``amx`` attention, its small-weight GEMMs) execute tile
+    instructions without asking; torch's matmuls ask on their first large product. A process
+    whose first tile instruction is vLLM's dies of SIGILL: vLLM alone does when a fresh engine's
+    first prompt is a few tokens long (``tests/test_vllm_hosts.py`` shows it, without a
+    connector), and with a connector so does a fresh engine whose first forward is a prefix hit's
+    short suffix, which only a connector makes. Asking first makes both ordinary.
+    """
+    import torch
+
+    cpu = torch.cpu
+    if not (hasattr(cpu, "_is_amx_tile_supported") and hasattr(cpu, "_init_amx")) or not cpu._is_amx_tile_supported():
+        return False
+    return bool(cpu._init_amx())
+
+
 class WorkerSide:
     """Loads and saves of one worker (one TP rank)."""
 
     def __init__(self, store: Store, facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int) -> None:
+        if facts.device_type == "cpu" and allow_amx_tiles():
+            log.debug("KVStoreConnector (worker %d): AMX tile state requested for vLLM's AMX kernels", tp_rank)
         self.store = store
         self.opts = opts
         self.tp_rank = tp_rank
