@@ -348,6 +348,12 @@ class Pieces:
             return self._body
         return (*self._body, self.trailer())
 
+    @property
+    def whole(self) -> memoryview | None:
+        """The value as one buffer where it is one (a single part, no trailer), else None: a store
+        that sends one contiguous buffer per value sends it from where it lies."""
+        return self._body[0] if self._seal is None and len(self._body) == 1 else None
+
     def trailer(self) -> bytes:
         """The trailer's bytes (empty without a seal)."""
         if self._seal is None:

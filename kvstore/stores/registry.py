@@ -73,6 +73,14 @@ BACKENDS: list[Backend] = [
                   "(any process, any order of the list; adding a server moves about 1/N of the keys), every batch "
                   "split per server and sent to all of them at once. Same options as Redis, for every server; "
                   "a frozen server costs a batch one deadline."),
+    Backend("Mooncake Store", ("mooncake",), "kvstore.stores.mooncake:MooncakeStore",
+            "kvstore.stores.mooncake:MooncakeConfig", extra="mooncake",
+            forms=("mooncake://MASTER_HOST[:50051]?metadata=http://MASTER_HOST:8080/metadata&protocol=tcp&segment=4GiB",),
+            notes="A distributed DRAM pool (`mooncake_master`, kvcache-ai/Mooncake) read and written with zero-copy "
+                  "batch calls into registered memory, over TCP or RDMA. Embedded: each engine process contributes "
+                  "`segment` bytes and its objects die with it (a miss); standalone (`segment=0`): a "
+                  "`mooncake_client` process per host owns the pool. The client's binaries need libibverbs1 and "
+                  "librdmacm1 (apt) even over TCP; `docs/deploy.md` has the commands."),
     Backend("S3", ("s3",), "kvstore.stores.s3:S3Store", "kvstore.stores.s3:S3Config", extra="s3",
             forms=("s3://bucket/prefix?endpoint_url=http://127.0.0.1:9000&region=us-east-1",),
             notes="Credentials never go in the URL: boto3's standard chain provides them (`AWS_ACCESS_KEY_ID` / "
