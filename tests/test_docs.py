@@ -105,7 +105,8 @@ def _extras() -> dict[str, list[str]]:
 
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
-    return {name: value.split() for name, value in cfg["options.extras_require"].items()}
+    return {name: [line.strip() for line in value.splitlines() if line.strip()]
+            for name, value in cfg["options.extras_require"].items()}
 
 
 def test_the_readme_names_every_extra_and_only_those():
