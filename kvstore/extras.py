@@ -13,20 +13,28 @@ import re
 __all__ = ["DISTRIBUTION", "requirements", "install_hint"]
 
 DISTRIBUTION = "kvstore-llm"
-# A requirement of an extra as setuptools writes it: 'redis[hiredis]<9,>=5.0; extra == "redis"'.
-_OF_EXTRA = re.compile(r"""^\s*([^;]+?)\s*;\s*extra\s*==\s*["']([^"']+)["']\s*$""")
+# The extra in a requirement's marker as setuptools writes it: 'redis[hiredis]<9,>=5.0; extra == "redis"',
+# 'pkg>=1; (platform_system == "Linux") and extra == "name"'.
+_EXTRA = re.compile(r"""\bextra\s*==\s*["']([^"']+)["']""")
 
 
-def requirements(extra: str) -> list[str]:
-    """What ``extra`` installs (``["redis[hiredis]<9,>=5.0"]``), from the installed metadata;
-    empty where kvstore runs from a checkout that was never installed."""
-    from importlib import metadata
+def requirements(extra: str, requires: list[str] | None = None) -> list[str]:
+    """What ``extra`` installs (``["redis[hiredis]<9,>=5.0"]``, platform markers left out), from
+    ``requires`` (default: the installed metadata); empty where kvstore runs from a checkout
+    that was never installed."""
+    if requires is None:
+        from importlib import metadata
 
-    try:
-        lines = metadata.requires(DISTRIBUTION) or []
-    except metadata.PackageNotFoundError:
-        return []
-    return [m.group(1) for m in map(_OF_EXTRA.match, lines) if m is not None and m.group(2) == extra]
+        try:
+            requires = metadata.requires(DISTRIBUTION) or []
+        except metadata.PackageNotFoundError:
+            return []
+    out = []
+    for line in requires:
+        requirement, _, marker = line.partition(";")
+        if any(m == extra for m in _EXTRA.findall(marker)):
+            out.append(requirement.strip())
+    return out
 
 
 def install_hint(extra: str) -> str:

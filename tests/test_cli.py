@@ -444,3 +444,15 @@ def test_version_and_python_dash_m(command):
     proc = subprocess.run([*command, "stats", "--store", "memory://", "--json"], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and json.loads(proc.stdout)["tiers"][0]["records"] == 0, proc.stderr
+
+
+def test_install_hints_read_the_extra_from_each_requirements_marker():
+    from kvstore.extras import install_hint, requirements
+
+    requires = ['redis[hiredis]<9,>=5.0; extra == "redis"', 'boto3>=1.34; extra == "s3"',
+                'mooncake-transfer-engine-non-cuda>=0.3.13; (platform_system == "Linux" and '
+                'python_version >= "3.11") and extra == "mooncake"', 'redis[hiredis]<9,>=5.0; extra == "all"']
+    assert requirements("redis", requires) == ["redis[hiredis]<9,>=5.0"]
+    assert requirements("mooncake", requires) == ["mooncake-transfer-engine-non-cuda>=0.3.13"]
+    assert requirements("nothing", requires) == []
+    assert install_hint("no-such-extra") == "pip install '.[no-such-extra]' in a kvstore checkout"
