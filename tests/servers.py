@@ -79,6 +79,20 @@ def free_port(*, also_free_at: int = 0) -> int:
     raise RuntimeError("no free port pair found")
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback TCP ports that are free now (held open together while chosen)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def wait_until(check: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -372,6 +386,157 @@ class S3Server:
             objects = [{"Key": o["Key"]} for o in page.get("Contents", ())]
             if objects:
                 client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+#: Mooncake's transfer engine announces the address of the host's first active interface for its
+#: RPC unless told one: the tests' clients and owners announce loopback, so that every byte they
+#: send stays on 127.0.0.1.
+MOONCAKE_ENV = {"MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+
+
+def mooncake_wheel_exists() -> bool:
+    """Whether Mooncake publishes its client wheel for this platform (Linux x86_64, CPython 3.11+)."""
+    import platform
+
+    return sys.platform.startswith("linux") and platform.machine() == "x86_64" and sys.version_info >= (3, 11)
+
+
+def _http_get(url: str, timeout: float = 2.0) -> bytes:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return reply.read()
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` with its HTTP metadata server, all on free loopback ports; objects in
+    memory only (a restart loses them, as it does in production without HA).
+
+    ``client_ttl`` (seconds) is how long the master keeps the segment of a client that stopped
+    answering (default 10 s; short here, so that a killed owner's objects go quickly);
+    ``lease_ttl`` how long a read or a write keeps an object from eviction. ``url`` is the store
+    URL (``url_for(**options)`` with options); ``owner(size)`` starts a standalone
+    ``mooncake_client`` that contributes a segment. ``stop()`` kills (SIGKILL: an outage),
+    ``start()`` brings it back on the same ports, empty.
+    """
+
+    def __init__(self, *extra_args: str, client_ttl: int = 2, lease_ttl: str = "2s") -> None:
+        self.binary = find_binary("mooncake_master")
+        if self.binary is None:
+            raise MissingBinary("mooncake_master")
+        self.port, self.metadata_port, self.admin_port = free_ports(3)
+        self.dir = tempfile.mkdtemp(prefix=f"kvstore-mooncake-{self.port}-")
+        argv = [self.binary, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true", f"--http_metadata_server_port={self.metadata_port}",
+                "--http_metadata_server_host=127.0.0.1", f"--metrics_port={self.admin_port}",
+                "--metrics_host=127.0.0.1", f"--client_ttl={client_ttl}", f"--default_kv_lease_ttl={lease_ttl}",
+                "--logtostderr=true", *extra_args]
+        self._proc = _Process(argv, self.dir)
+        self.owners: list[MooncakeOwner] = []
+        self.start()
+
+    @property
+    def metadata_url(self) -> str:
+        return f"http://127.0.0.1:{self.metadata_port}/metadata"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def url_for(self, **options: object) -> str:
+        query = "&".join(f"{k}={v}" for k, v in {"metadata": self.metadata_url, "admin": self.admin_url,
+                                                  **options}.items())
+        return f"mooncake://127.0.0.1:{self.port}?{query}"
+
+    @property
+    def url(self) -> str:
+        """A store of this process contributing no segment: its objects go to the owners'."""
+        return self.url_for(segment=0)
+
+    @property
+    def pid(self) -> int:
+        assert self._proc.proc is not None
+        return self._proc.proc.pid
+
+    def segments(self) -> list[str]:
+        """The segments mounted now (their owners' transfer endpoints)."""
+        return [s for s in _http_get(f"{self.admin_url}/get_all_segments").decode().split("\n") if s]
+
+    def keys(self) -> list[str]:
+        return [k for k in _http_get(f"{self.admin_url}/get_all_keys").decode().split("\n") if k]
+
+    def _ready(self) -> bool:
+        return b'"status":"ok"' in _http_get(f"{self.admin_url}/health", 0.5) and _port_open(self.port) \
+            and _port_open(self.metadata_port)
+
+    def start(self) -> None:
+        if self._proc.running:
+            return
+        self._proc.spawn()
+        try:
+            wait_until(self._ready, 20, f"mooncake_master on port {self.port}")
+        except TimeoutError:
+            self._proc.kill()
+            raise RuntimeError(f"mooncake_master failed to start:\n{self._proc.log_tail()}") from None
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        self._proc.kill(sig)
+
+    @property
+    def running(self) -> bool:
+        return self._proc.running
+
+    def owner(self, size: str = "256MB") -> MooncakeOwner:
+        """A standalone ``mooncake_client`` contributing ``size`` to the pool, once it is mounted."""
+        owner = MooncakeOwner(self, size)
+        self.owners.append(owner)
+        return owner
+
+    def close(self) -> None:
+        for owner in self.owners:
+            owner.close()
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class MooncakeOwner:
+    """``mooncake_client`` (Mooncake's standalone process that owns a segment of the pool), on
+    a free loopback port; ``stop()`` kills it (its objects die with it)."""
+
+    def __init__(self, master: MooncakeMaster, size: str) -> None:
+        binary = find_binary("mooncake_client")
+        if binary is None:
+            raise MissingBinary("mooncake_client")
+        self.master = master
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix=f"kvstore-mooncake-owner-{self.port}-")
+        self._proc = _Process([binary, f"--global_segment_size={size}", f"--master_server_address=127.0.0.1:{master.port}",
+                               f"--metadata_server={master.metadata_url}", "--host=127.0.0.1", f"--port={self.port}",
+                               "--protocol=tcp", "--logtostderr=true"], self.dir, dict(os.environ, **MOONCAKE_ENV))
+        self.start()
+
+    @property
+    def pid(self) -> int:
+        assert self._proc.proc is not None
+        return self._proc.proc.pid
+
+    def start(self) -> None:
+        if self._proc.running:
+            return
+        before = set(self.master.segments())
+        self._proc.spawn()
+        try:
+            wait_until(lambda: set(self.master.segments()) - before, 20, f"mooncake_client on port {self.port}")
+        except TimeoutError:
+            self._proc.kill()
+            raise RuntimeError(f"mooncake_client failed to mount its segment:\n{self._proc.log_tail()}") from None
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        self._proc.kill(sig)
 
     def close(self) -> None:
         self.stop()

@@ -44,6 +44,10 @@ class MooncakeConfig:
                           help="Memory this process contributes to the pool (embedded: its objects die with it); "
                                "0: none, a `mooncake_client` process on the host owns the pool (standalone).")
     replicas: int = option(1, lo=1, hi=8, help="Copies of each object, on different segments.")
+    register: str = option("auto", choices=("auto", "always"),
+                           help="Register buffers with the transfer engine: `auto` over RDMA only (the NIC reaches "
+                                "only registered memory; over TCP bytes move through plain pointers), `always` over "
+                                "TCP too.")
     host: str = option("", help="This process's address as other hosts reach its transfer endpoint; empty: the "
                                 "address of the interface that routes to the master.")
     prefix: str = option("", help="Prefix of every object name (several deployments on one pool).")

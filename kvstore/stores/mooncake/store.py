@@ -7,9 +7,7 @@ batch calls, between the pool's segments and registered memory of this process:
 * a load (``get_into``) asks the master for the values' sizes (one call), leases a buffer of the
   reader's pool for each, and receives them with one ``batch_get_into`` per window of ``window``
   bytes, straight into the leases; the next window arrives while the reader works on this one.
-  Pool buffers are registered with the transfer engine the first time they are used, for as
-  long as they live (``memory.Registrations``): on CUDA the same buffers are also the pinned
-  ones the device copies from.
+  On CUDA the reader's pool is the pinned one: the bytes land where the device copies them from.
 * a lookup (``exists_many``, ``longest_prefix``) is one ``batch_is_exist``.
 * a write (``put_many``) is one ``batch_upsert_from`` (an upsert: a value replaces the one
   before; a plain put keeps the old one) from where each value lies: a ``bytes``, an array, a
@@ -17,9 +15,12 @@ batch calls, between the pool's segments and registered memory of this process:
   gathered into a registered buffer of the store's own first (``staging``): the transfer engine
   takes one buffer per object for an upsert.
 
-Over TCP the transfer engine reads and writes through plain pointers, so memory it cannot
-register (a ``bytes``) is used where it lies; over RDMA such memory is copied into registered
-buffers first.
+Over RDMA the NIC reads and writes only registered memory: pool buffers are registered the first
+time a value lands in them or leaves from them, for as long as they live (``memory``), and memory
+no array owns (a ``bytes``) is copied into the store's registered buffers first. Over TCP the
+transfer engine reads and writes through plain pointers and registering would only publish each
+buffer to the metadata server, so the store registers nothing (``register=always`` does, to
+measure it).
 
 Misses: an absent object, one evicted, one whose lease expired while it was read, one whose
 segment's owner has died (its objects die with it: an embedded engine's segment) are all
@@ -116,7 +117,7 @@ class MooncakeStore(Store):
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = config.replicas
         # Over RDMA the NIC moves the bytes: it can only reach registered memory.
-        self._must_register = config.protocol == "rdma"
+        self._registers = config.protocol == "rdma" or config.register == "always"
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -182,8 +183,19 @@ class MooncakeStore(Store):
         found = self._call(lambda c: _sizes_of(c.batch_get_replica_desc(list(names))))
         return [found.get(n) for n in names]
 
-    def _registered(self, view: memoryview) -> bool:
-        return self._conn.registrations.covers(view)
+    def _register(self, views: Iterable[memoryview], *, always: bool = False) -> None:
+        """On a worker thread, before a call moves bytes through ``views``: register them where the
+        store registers memory, or ``always`` (a call to the metadata server: under the call's
+        deadline)."""
+        if not (self._registers or always):
+            return
+        for view in views:
+            if len(view) and not self._conn.registrations.register(view):
+                raise StoreUnavailableError(f"{self._where}: {len(view)} bytes at {address(view):#x} could not be "
+                                            "registered with the transfer engine")
+
+    def _registrable(self, view: memoryview) -> bool:
+        return not self._registers or not len(view) or self._conn.registrations.registrable(view)
 
     # -- the small contract ----------------------------------------------------------------------
     def get(self, key: str) -> Value | None:
@@ -245,11 +257,13 @@ class MooncakeStore(Store):
                 n = sizes[i] or 0
                 views.append(whole[pos:pos + n])
                 pos += n
-            if self._must_register:
-                self._registered(whole)
-            # A late call writes into ``whole``, which its arguments keep alive: nobody else reads it.
-            results = self._call(lambda c: c.batch_get_into([names[i] for i in wanted], [address(v) for v in views],
-                                                            [len(v) for v in views]))
+
+            def receive(client: Any) -> list[int]:  # a late one writes into ``whole``, which only it holds then
+                self._register([whole])
+                return list(client.batch_get_into([names[i] for i in wanted], [address(v) for v in views],
+                                                  [len(v) for v in views]))
+
+            results = self._call(receive)
             for i, view, code in zip(wanted, views, results):
                 if code == len(view):
                     out[i] = view
@@ -291,7 +305,8 @@ class MooncakeStore(Store):
                     done += 1
                     if done < len(windows):  # the next window arrives while this one is used
                         sent.append(self._read(names, sizes, windows[done], pool))
-                    got.update(self._received(sent.popleft()))
+                    got.update(self._received(sent[0]))
+                    sent.popleft()
                 yield got.pop(i)
         finally:
             for lease in got.values():
@@ -332,12 +347,14 @@ class MooncakeStore(Store):
             for i in indexes:
                 lease = lease_or_fresh(pool, sizes[i] or 0, _LEASE_WAIT)
                 read.leases.append(lease)
-                if not self._registered(lease.view) and self._must_register:
-                    raise StoreUnavailableError(f"{self._where}: a buffer of {lease.nbytes} bytes could not be "
-                                                "registered with the transfer engine")
-            batch = ([names[i] for i in indexes], [address(lease.view) for lease in read.leases],
-                     [lease.nbytes for lease in read.leases])
-            read.call, read.end = self._submit(lambda c: list(c.batch_get_into(*batch)))
+            leases, wanted = list(read.leases), [names[i] for i in indexes]
+
+            def receive(client: Any) -> list[int]:  # holds ``leases``: their memory lives while it runs
+                self._register(lease.view for lease in leases)
+                return list(client.batch_get_into(wanted, [address(lease.view) for lease in leases],
+                                                  [lease.nbytes for lease in leases]))
+
+            read.call, read.end = self._submit(receive)
         except BaseException:
             read.abandon()
             raise
@@ -378,14 +395,17 @@ class MooncakeStore(Store):
         if reads:
             lease = lease_or_fresh(self._staging, sum(min(nbytes, s) for _, s in reads), _LEASE_WAIT)
             try:
-                self._registered(lease.view)
                 base, offsets, pos = address(lease.view), [], 0
                 for _, s in reads:
                     offsets.append(pos)
                     pos += min(nbytes, s)
-                answers = self._call(lambda c: c.get_into_ranges(
-                    [base], [[names[i] for i, _ in reads]], [[[o] for o in offsets]], [[[0] for _ in reads]],
-                    [[[min(nbytes, s)] for _, s in reads]]), wait_late=True)
+
+                def read_heads(client: Any) -> Any:
+                    self._register([lease.view], always=True)  # the ranged read takes registered memory only
+                    return client.get_into_ranges([base], [[names[i] for i, _ in reads]], [[[o] for o in offsets]],
+                                                  [[[0] for _ in reads]], [[[min(nbytes, s)] for _, s in reads]])
+
+                answers = self._call(read_heads, wait_late=True)
                 for (i, s), o, got in zip(reads, offsets, answers[0]):
                     n = min(nbytes, s)
                     code = got[0] if got else -1
@@ -432,14 +452,14 @@ class MooncakeStore(Store):
         call), and whether its memory stays unchanged until then."""
         if isinstance(value, Pieces):
             whole = value.whole
-            if whole is None or (self._must_register and len(whole) and not self._registered(whole)):
+            if whole is None or not self._registrable(whole):
                 return self._gathered(value)
             if value.owner is not None:
                 return whole, value.retain(), True
             return whole, None, whole.readonly and isinstance(whole.obj, bytes)
         view = byte_view(value)
         fixed = view.readonly and isinstance(view.obj, bytes)
-        if self._must_register and len(view) and not self._registered(view):
+        if not self._registrable(view):
             return self._gathered(value)
         return view, None, fixed
 
@@ -452,13 +472,11 @@ class MooncakeStore(Store):
             value.copy_into(lease.view)
         else:
             lease.view[:] = byte_view(value)
-        if not self._registered(lease.view) and self._must_register:
-            lease.release()
-            raise StoreUnavailableError(f"{self._where}: no registered memory for a {n}-byte value")
         return lease.view, lease, True
 
     def _write(self, names: list[str], views: list[memoryview], held: list[Lease | Pieces], kept: bool) -> None:
         def upsert(client: Any) -> list[int]:
+            self._register(views)
             return list(client.batch_upsert_from(names, [address(v) for v in views], [len(v) for v in views],
                                                  self._replicate))
 
@@ -492,6 +510,7 @@ class MooncakeStore(Store):
         one = address(_ONE)
 
         def write(client: Any) -> tuple[list[int], list[int]]:
+            self._register([_ONE])
             marked = list(client.batch_upsert_from([n + _EMPTY for n in names], [one] * len(names), [1] * len(names),
                                                    self._replicate))
             return marked, list(client.batch_remove(names, True))
