@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
@@ -131,7 +132,11 @@ class KVTransfer:
         """Chunk keys of the storable part of ``tokens`` (up to ``max_tokens``), under
         ``namespace`` (default: the cache's; e.g. ``namespace.with_salt(...)`` per tenant), with
         the prompt's non-text inputs ``spans`` (``kvstore.keys.InputSpan``)."""
-        arr = tokens_to_array(tokens)
+        return self._array_keys(tokens_to_array(tokens), max_tokens, namespace, spans)
+
+    def _array_keys(self, arr: np.ndarray, max_tokens: int | None, namespace: Namespace | None,
+                    spans: Sequence[InputSpan]) -> list[ChunkKey]:
+        """``keys`` of tokens already made an array by ``tokens_to_array`` (not converted again)."""
         n = self.usable_tokens(arr.shape[0])
         return self.cache.keys(arr[:n], max_tokens=max_tokens, namespace=namespace, spans=spans)
 
@@ -163,7 +168,7 @@ class KVTransfer:
         if slots.numel() < arr.shape[0]:
             raise ValueError(f"{arr.shape[0]} tokens need as many slots, got {slots.numel()}")
         if ends is None:
-            keys = self.keys(arr, namespace=namespace, spans=spans)
+            keys = self._array_keys(arr, None, namespace, spans)
         else:
             n = arr.shape[0]
             keys = prefix_keys(self.cache.in_space(namespace or self.cache.namespace), arr,
@@ -221,7 +226,7 @@ class KVTransfer:
         if skip_tokens < 0 or (self.layout.granularity == "block" and skip_tokens % self.block_size):
             raise ValueError(f"skip_tokens={skip_tokens} must be a non-negative multiple of "
                              f"block_size={self.block_size} for {self.layout.name}")
-        keys = [k for k in self.keys(arr, max_tokens, namespace=namespace, spans=spans) if k.end > skip_tokens]
+        keys = [k for k in self._array_keys(arr, max_tokens, namespace, spans) if k.end > skip_tokens]
         if not keys:
             return min(skip_tokens, arr.shape[0]), None
         slots = self._slots_on_device(slots, skip_tokens, keys[-1].end)
