@@ -13,6 +13,7 @@ import pytest
 
 from kvstore.config import option
 from kvstore.connectors.agent import AgentConfig
+from kvstore.connectors.options import DEFAULT_CHUNK_TOKENS
 from kvstore.connectors.vllm.options import VLLMConnectorOptions, parse_options
 from kvstore.errors import ConfigError
 
@@ -88,7 +89,7 @@ def test_vllm_connector_options_refuse_malformed_values(name, value):
 def test_the_issue_cases_name_the_option_and_the_accepted_range():
     with pytest.raises(ConfigError, match=r"flush_timeout='3650d' \(315360000 s\) is out of range; accepted: 0 to 3600 s"):
         parse_options({**VLLM_BASE, "flush_timeout": "3650d"})
-    with pytest.raises(ConfigError, match=r"chunk_tokens=10+ is out of range; accepted: 1 to 1048576"):
+    with pytest.raises(ConfigError, match=r"chunk_tokens=10+ is out of range; accepted: 0 to 1048576"):
         parse_options({**VLLM_BASE, "chunk_tokens": 10**30})
     with pytest.raises(ConfigError, match=r"pool_bytes='1GiB\\n' holds the control character"):
         parse_options({**VLLM_BASE, "pool_bytes": "1GiB\n"})
@@ -113,9 +114,13 @@ def test_direct_construction_is_held_to_the_same_declarations():
 def test_the_shared_adapter_options_are_one_definition():
     agent = {f.name: f for f in dataclasses.fields(AgentConfig)}
     vllm = {f.name: f for f in dataclasses.fields(VLLMConnectorOptions)}
-    for name in ("store", "chunk_tokens", "codec", "auth_key_file", "auth_key_env", "auth_previous_window"):
+    for name in ("store", "codec", "auth_key_file", "auth_key_env", "auth_previous_window"):
         assert dict(agent[name].metadata) == dict(vllm[name].metadata), name
         assert agent[name].default == vllm[name].default, name
+    # chunk_tokens: the agent's default is DEFAULT_CHUNK_TOKENS; the vLLM connector's is 0, chosen
+    # from the engine's KV cache groups at start-up (kvstore.connectors.vllm.facts.resolve_chunk_tokens).
+    assert agent["chunk_tokens"].default == DEFAULT_CHUNK_TOKENS and vllm["chunk_tokens"].default == 0
+    assert agent["chunk_tokens"].metadata["range"][1] == vllm["chunk_tokens"].metadata["range"][1]
 
 
 def test_valid_values_still_pass():

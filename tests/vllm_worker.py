@@ -6,12 +6,15 @@ Spec: ``model`` (a directory), ``connector`` (``kv_connector_extra_config`` or n
 connector), ``role`` (vLLM kv_role, default kv_both), ``engine`` (extra ``LLM(...)`` arguments),
 ``actions``: a list of
 
-* ``{"generate": [[token ids], ...], "max_tokens": 16, "salt": null}``: one ``generate`` call (a
-  prompt may be ``{"ids": [token ids], "images": [seed, ...]}``: with ``vllm_multimodal.image``s);
-  its result is ``{"tokens": [[...]], "cached": [num_cached_tokens...], "seconds": s}``.
+* ``{"generate": [[token ids], ...], "max_tokens": 16, "salt": null, "logprobs": null}``: one
+  ``generate`` call (a prompt may be ``{"ids": [token ids], "images": [seed, ...]}``: with
+  ``vllm_multimodal.image``s); its result is ``{"tokens": [[...]], "cached": [num_cached_tokens...],
+  "seconds": s}``, with ``"logprobs"`` (per prompt, per generated token, the top ``logprobs``
+  candidates and the chosen one as ``[[token, logprob], ...]``, best first) when asked.
 * ``{"reset_prefix_cache": true}``: empty vLLM's local prefix cache.
 * ``{"engine_info": true}`` (in-process engines only): ``{"kv_cache_groups": [[spec type,
-  sliding window or attention chunk, layers], ...], "num_blocks": n, "kvstore": {metric: total}}``
+  sliding window or attention chunk, layers], ...], "num_blocks": n, "block_size": b (the first
+  group's), "kvstore": {metric: total}}``
   with kvstore's counters of tokens loaded and saved, of bypassed requests and of corrupt records.
 * ``{"metrics": true}``: ``{"metrics": {name: value}}`` of vLLM's counters and gauges (needs
   ``"engine": {"disable_log_stats": false}``).
@@ -30,7 +33,7 @@ engine runs in its own process (vLLM needs a ``__main__`` guard and cannot host 
 
     python tests/vllm_worker.py --serve SOCKET    (the engine server of tests/vllm_engines.py)
     python tests/vllm_worker.py --openai ARGS...  (vLLM's OpenAI server with ARGS, this module its
-                                                   ``__main__``: the same kernels, see choose_kernels)
+                                                   ``__main__``)
 """
 
 from __future__ import annotations
@@ -45,37 +48,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def choose_kernels() -> None:
-    """Give vLLM CPU its portable (non-AMX) kernels on every host, unless the engine's environment
-    sets ``KVSTORE_TEST_VLLM_AMX=1``.
-
-    vLLM CPU 0.32 picks its AMX kernels whenever the CPU has AMX tiles (Sapphire Rapids and newer):
-    the ``amx`` attention ISA for bf16 with block sizes that are multiples of 32, and the AMX MLA
-    backend, which needs such block sizes. The tests compare greedy tokens across engines, batches
-    and prefix hits, and CI lands on hosts with and without AMX; with the AMX kernels on such a
-    host, three tests' token references and the MLA test's block size came out otherwise, and a
-    fresh engine's first, hit-shaped prefill once ended in SIGILL inside vLLM. One choice of
-    kernels on every host keeps each test's reference the same everywhere; the AMX page layout
-    (``vllm-cpu-amx``) is covered by unit tests and, on AMX hosts, by
-    ``test_vllm_connector.py::test_amx_kernels_hit_with_identical_tokens``.
-
-    Called at import (vLLM's spawned engine core and workers import this module as their
-    ``__mp_main__``; the OpenAI servers of the tests start through it too, ``--openai``) and
-    again in ``main`` (a forked engine gets its environment after the server's import).
-    """
-    import torch
-
-    original = getattr(torch.cpu, "_kvstore_amx_tile_supported", None) or torch.cpu._is_amx_tile_supported
-    torch.cpu._kvstore_amx_tile_supported = original  # type: ignore[attr-defined]
-    amx = os.environ.get("KVSTORE_TEST_VLLM_AMX") == "1"
-    torch.cpu._is_amx_tile_supported = original if amx else (lambda: False)
-
-
-choose_kernels()
-
-
 def main(spec: dict) -> dict:
-    choose_kernels()
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
     import vllm_model
     from vllm import LLM, SamplingParams
@@ -94,7 +67,7 @@ def main(spec: dict) -> dict:
     for action in spec.get("actions", []):
         if "generate" in action:
             params = SamplingParams(temperature=0, max_tokens=action.get("max_tokens", 16), ignore_eos=True,
-                                    detokenize=False)
+                                    detokenize=False, logprobs=action.get("logprobs"))
             prompts = []
             for ids in action["generate"]:
                 p = {"prompt_token_ids": ids}
@@ -109,9 +82,12 @@ def main(spec: dict) -> dict:
                 prompts.append(p)
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
-            results.append({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                            "cached": [o.num_cached_tokens or 0 for o in outs],
-                            "seconds": time.perf_counter() - t})
+            result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                      "cached": [o.num_cached_tokens or 0 for o in outs],
+                      "seconds": time.perf_counter() - t}
+            if action.get("logprobs"):
+                result["logprobs"] = [_top_logprobs(o.outputs[0].logprobs) for o in outs]
+            results.append(result)
         elif action.get("metrics"):
             values: dict[str, float] = {}
             for m in llm.get_metrics():
@@ -139,6 +115,12 @@ def main(spec: dict) -> dict:
     return {"results": results, "startup": startup, "pid": os.getpid()}
 
 
+def _top_logprobs(steps) -> list[list[list[float]]]:
+    """Per generated token, its top candidates as ``[[token, logprob], ...]``, best first."""
+    return [sorted(([int(t), float(lp.logprob)] for t, lp in step.items()), key=lambda c: -c[1])
+            for step in steps or ()]
+
+
 def _engine_info(llm) -> dict:
     from kvstore.metrics.catalog import BYPASSED, CORRUPT, TOKENS_LOADED, TOKENS_SAVED
 
@@ -147,6 +129,7 @@ def _engine_info(llm) -> dict:
                or getattr(g.kv_cache_spec, "attention_chunk_size", None) or 0, len(g.layer_names)]
               for g in config.kv_cache_groups]
     return {"kv_cache_groups": groups, "num_blocks": config.num_blocks,
+            "block_size": int(config.kv_cache_groups[0].kv_cache_spec.block_size),
             "kvstore": {"tokens_loaded": TOKENS_LOADED.total(), "tokens_saved": TOKENS_SAVED.total(),
                         "bypassed": BYPASSED.total(), "corrupt": CORRUPT.total()}}
 

@@ -12,7 +12,7 @@ from kvstore.config import option
 from kvstore.connectors.gil import DEFAULT_SWITCH_INTERVAL
 from kvstore.record.codecs import CHAINS
 
-__all__ = ["MAX_CHUNK_TOKENS", "store_option", "chunk_tokens_option", "codec_option", "switch_interval_option"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "MAX_CHUNK_TOKENS", "store_option", "chunk_tokens_option", "codec_option", "switch_interval_option"]
 
 #: The most tokens a record may cover (a million: longer than any model's context).
 MAX_CHUNK_TOKENS = 1 << 20
@@ -26,9 +26,23 @@ def store_option() -> Any:
         "background. Required.")
 
 
-def chunk_tokens_option() -> Any:
+#: Tokens per record when the engine chooses (the vLLM connector without ``chunk_tokens``: at
+#: least this many, see ``chunk_tokens_option``).
+DEFAULT_CHUNK_TOKENS = 256
+
+
+def chunk_tokens_option(*, auto: bool = False) -> Any:
+    """``auto``: 0, the default, lets the engine adapter choose from its block sizes."""
+    if auto:
+        return option(
+            0, lo=0, hi=MAX_CHUNK_TOKENS,
+            help=f"Tokens per stored record; a positive multiple of every KV cache group's block size. Larger "
+            f"chunks mean fewer, bigger records; a prefix is only reusable in whole chunks (plus a final partial "
+            f"chunk of whole blocks). 0 (default): the smallest such multiple that is at least "
+            f"{DEFAULT_CHUNK_TOKENS} (a model whose recurrent state vLLM aligns to long blocks gets longer "
+            f"chunks), logged at start-up and listed by the lookup endpoint's GET /v1/namespaces.")
     return option(
-        256, lo=1, hi=MAX_CHUNK_TOKENS,
+        DEFAULT_CHUNK_TOKENS, lo=1, hi=MAX_CHUNK_TOKENS,
         help="Tokens per stored record; a positive multiple of the engine's block size. Larger chunks "
         "mean fewer, bigger records; a prefix is only reusable in whole chunks (plus a final partial "
         "chunk of whole blocks).")

@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvstore.buffers import configure_default_pool
 from kvstore.connectors.gil import lower_switch_interval
 from kvstore.connectors.roles import parse_role
-from kvstore.connectors.vllm.facts import check_vllm_version, engine_facts
+from kvstore.connectors.vllm.facts import check_vllm_version, engine_facts, resolve_chunk_tokens
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata
 from kvstore.connectors.vllm.options import parse_options
 from kvstore.connectors.vllm.scheduler import SchedulerSide
@@ -112,6 +112,7 @@ class KVStoreConnector(PublishesKVStoreStats, SupportsHMA, KVConnectorBase_V1): 
             ktc.kv_load_failure_policy = "recompute"
             log.info("KVStoreConnector: kv_load_failure_policy set to 'recompute' (a bad record is recomputed)")
         self.facts = engine_facts(vllm_config, kv_cache_config, self.opts)
+        self.opts = resolve_chunk_tokens(self.opts, self.facts)
         self.block_size = self.facts.block_size
         if role != KVConnectorRole.SCHEDULER:
             # Records are gathered into and received into this pool (pinned, so copies overlap, on CUDA).

@@ -22,12 +22,15 @@ chunk keys include.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvstore.connectors.model import model_fingerprint
+from kvstore.connectors.options import DEFAULT_CHUNK_TOKENS
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.errors import ConfigError
 from kvstore.keys import InputSpan, Namespace, check_chunk_tokens
@@ -39,7 +42,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["VLLM_MINORS", "VLLM_MINOR", "SUPPORTED_VLLM", "vllm_minor", "EngineFacts", "KVGroup", "check_vllm_version", "model_fingerprint",
-           "choose_layout", "build_namespace", "engine_facts", "group_kind", "STATE_LAYOUT"]
+           "choose_layout", "build_namespace", "engine_facts", "group_kind", "resolve_chunk_tokens", "STATE_LAYOUT"]
+
+log = logging.getLogger("kvstore.vllm")
 
 #: The vLLM minor releases whose connector API this connector is written against, oldest first
 #: (the API changes between minor releases; 0.33's is 0.32's plus methods the connector leaves
@@ -201,6 +206,23 @@ class EngineFacts:
         return self.kv_groups if self.restorable else ()
 
 
+def resolve_chunk_tokens(opts: VLLMConnectorOptions, facts: EngineFacts) -> VLLMConnectorOptions:
+    """``opts`` with ``chunk_tokens`` chosen when the user left it at 0: the smallest multiple of
+    the attention block size and of every aligned recurrent-state group's block size that is at
+    least ``DEFAULT_CHUNK_TOKENS``, logged. vLLM's align mode makes a hybrid's state block as long
+    as it takes one attention page to hold a layer's state (a tiny Qwen3-Next: 4,192 tokens; the
+    80B model: several hundred), so no fixed default fits every model. A value the user set is kept
+    (and checked where it is used: a misfit is a ``ConfigError`` naming both numbers)."""
+    if opts.chunk_tokens:
+        return opts
+    sizes = sorted({facts.block_size} | {g.block_size for g in facts.kv_groups if g.kind == "state" and g.aligned})
+    unit = math.lcm(*sizes)
+    chosen = -(-DEFAULT_CHUNK_TOKENS // unit) * unit
+    log.info("KVStoreConnector: chunk_tokens=%d (not set: the smallest multiple of the block sizes %s that is at "
+             "least %d)", chosen, sizes, DEFAULT_CHUNK_TOKENS)
+    return dataclasses.replace(opts, chunk_tokens=chosen)
+
+
 def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int,
                     group: KVGroup | None = None) -> tuple[Namespace, PagedLayout | None]:
     """The namespace of one TP rank's records of one KV cache group (default: the first), and
@@ -282,7 +304,7 @@ def _state_group(index: int, spec: Any, layers: tuple[str, ...], opts: VLLMConne
     aligned = getattr(spec, "mamba_cache_mode", "none") == "align" and not getattr(spec, "num_speculative_blocks", 0)
     if aligned:
         for what, value in (("chunk_tokens", opts.chunk_tokens), ("the attention block size", block_size)):
-            if value % state_block:
+            if value % state_block and not (what == "chunk_tokens" and value == 0):  # 0: chosen to fit
                 raise ConfigError(
                     f"KVStoreConnector stores recurrent state at chunk ends, and {what}={value} cannot line up "
                     f"with vLLM's mamba block size {state_block} (KV cache group {index}): use a multiple of "

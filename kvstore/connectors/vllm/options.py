@@ -47,7 +47,7 @@ class VLLMConnectorOptions:
     """Connector options; see ``docs/vllm.md`` for the full reference."""
 
     store: tuple[str, ...] = store_option()
-    chunk_tokens: int = chunk_tokens_option()
+    chunk_tokens: int = chunk_tokens_option(auto=True)
     codec: str = codec_option()
     model_id: str = option(
         "", help="Model identity in the key namespace. Default: the model name or path given to "
