@@ -63,6 +63,16 @@ class Raw:
 
 
 @pytest.fixture(scope="module")
+def keeper(mooncake_master):
+    """A store open for the whole module: the stores of its tests share its client (one per
+    process and settings), instead of each setting one up and closing it (closing a client
+    holds the interpreter's lock for a second or two, in the library)."""
+    store = fresh(mooncake_master)
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="module")
 def raw(mooncake_master):
     client = Raw(mooncake_master)
     yield client
@@ -71,7 +81,7 @@ def raw(mooncake_master):
 
 class TestMooncakeStore(StoreTests):
     @pytest.fixture
-    def store(self, mooncake_master, raw):
+    def store(self, mooncake_master, raw, keeper):
         self.raw = raw
         store = fresh(mooncake_master)
         yield store

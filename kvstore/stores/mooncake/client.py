@@ -12,7 +12,8 @@ Why one client per process: each client mounts its own segment on the master and
 transfer engine; every store over the same master and settings in a process shares one
 (reference-counted), so an engine process contributes one segment however many stores it opens.
 Closing a client takes the library a second or two (it joins its heartbeat): the last store to
-let go closes it on a daemon thread. A forked child makes a client of its own.
+let go closes it on a daemon thread, once no call uses it any more (the library frees what a
+running call still uses). A forked child makes a client of its own.
 
 Answers: ``>= 0`` is success (bytes moved, for reads); the codes of ``MISSES`` say the object
 cannot be read (absent, evicted, its lease expired, its segment's owner gone): a miss; ``RPC``
@@ -64,6 +65,7 @@ _NAMES = {**MISSES, **RACES, NO_SPACE: "NO_AVAILABLE_HANDLE (no room in the pool
           RPC_TIMEOUT: "RPC_TIMEOUT", -1: "INTERNAL_ERROR", -600: "INVALID_PARAMS", -601: "ILLEGAL_CLIENT",
           -1010: "UNAVAILABLE_IN_CURRENT_STATUS", -1011: "UNAVAILABLE_IN_CURRENT_MODE"}
 _RETRY_SETUP = 1.0  # seconds between set-up attempts after one failed
+_CLOSE_WAIT = 120.0  # seconds a closing client waits for its running calls (the client's RPC timeout is 30 s)
 
 
 def describe_code(code: int) -> str:
@@ -112,6 +114,8 @@ class Connection:
         self._failed_at = 0.0
         self._error = ""
         self._closed = False
+        self._busy = 0  # calls sent or running: the client is closed only once none is
+        self._idle = threading.Condition(self._lock)
         # Set-up and close run on threads of their own: a set-up that waits for a master must
         # not hold a thread that calls are waiting for.
         self._setups = ThreadPoolExecutor(1, thread_name_prefix="kvstore-mooncake-setup")
@@ -187,13 +191,42 @@ class Connection:
         except FutureTimeout:
             raise StoreTimeoutError(f"{self.where}: the client is not set up yet (is the master up?)") from None
 
+    def enter(self) -> None:
+        """A call is about to use the client (``StoreUnavailableError`` once it is closing)."""
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailableError(f"{self.where}: closed")
+            self._busy += 1
+
+    def leave(self) -> None:
+        """That call has ended (or was cancelled before it ran)."""
+        with self._lock:
+            self._busy -= 1
+            if not self._busy:
+                self._idle.notify_all()
+
     def _register(self, address: int, size: int) -> int:
         client = self._client
-        return -600 if client is None else int(client.register_buffer(address, size))
+        if client is None:
+            return -600
+        self.enter()
+        try:
+            return int(client.register_buffer(address, size))
+        finally:
+            self.leave()
 
     def _unregister(self, address: int) -> int:
         client = self._client
-        return 0 if client is None else int(client.unregister_buffer(address))
+        if client is None:
+            return 0
+        try:
+            self.enter()
+        except StoreUnavailableError:
+            return 0  # closing: the registration ends with the client
+        try:
+            return int(client.unregister_buffer(address))
+        finally:
+            self.leave()
 
     def _close(self) -> None:
         with self._lock:
@@ -203,6 +236,13 @@ class Connection:
         self.registrations.close()
 
         def close() -> None:
+            # Never under a running call: the library frees what the call still uses. Calls end
+            # by the client's own timeouts; one that does not is left with its client, unclosed.
+            with self._lock:
+                if not self._idle.wait_for(lambda: self._busy == 0, timeout=_CLOSE_WAIT):
+                    log.warning("mooncake: %d calls still running after %gs: the client is left open",
+                                self._busy, _CLOSE_WAIT)
+                    return
             if setup is not None and client is None:
                 try:  # a set-up still running: close what it makes
                     made = setup.result()

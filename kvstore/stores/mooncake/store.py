@@ -136,11 +136,17 @@ class MooncakeStore(Store):
         end = time.monotonic() + self.config.deadline
         if self._closed:
             raise StoreUnavailableError(f"{self._where}: closed")
-        client = self._conn.client(end)
+        self._conn.enter()  # until the call has run (or was cancelled), the client stays open
         try:
-            return self._pool.submit(fn, client), end
+            future = self._pool.submit(fn, self._conn.client(end))
         except RuntimeError as exc:  # closed meanwhile (or the interpreter is exiting)
+            self._conn.leave()
             raise StoreUnavailableError(f"{self._where}: closed ({exc})") from None
+        except BaseException:
+            self._conn.leave()
+            raise
+        future.add_done_callback(lambda _: self._conn.leave())
+        return future, end
 
     def _wait(self, future: Future[T], end: float, *, on_late: Callable[[Future[T]], None] | None = None,
               wait_late: bool = False) -> T:
