@@ -78,7 +78,8 @@ def _arg(command: list[str], name: str) -> str:
 
 # -- structure ----------------------------------------------------------------------------------------------
 def test_services_and_variables(stack):
-    assert set(_services(stack)) == {"redis", "minio", "minio-init", "vllm", "prometheus", "grafana"}
+    assert set(_services(stack)) == {"redis", "minio", "minio-init", "vllm", "prometheus", "grafana",
+                                     "mooncake-master", "mooncake-store"}
     undocumented = stack["_used_vars"] - stack["_documented"]
     assert not undocumented, f"variables used by docker-compose.yml but not in .env.example: {sorted(undocumented)}"
 
@@ -126,6 +127,29 @@ def test_redis_is_a_bounded_lru_cache(stack):
     from kvstore.config import parse_size
 
     assert parse_size(_arg(cmd, "--maxmemory").replace("gb", "GiB").replace("mb", "MiB")) > 0
+
+
+def test_mooncake_services_listen_on_loopback_where_the_documented_demo_url_points(stack):
+    """Host networking (the owner announces an address a client on the host reaches), so every
+    address is a flag: all loopback; the demo's URL in the file names the master's ports."""
+    from kvstore.stores.mooncake import MooncakeConfig
+
+    services = _services(stack)
+    master, owner = services["mooncake-master"], services["mooncake-store"]
+    assert master["network_mode"] == owner["network_mode"] == "host" and "ports" not in master and "ports" not in owner
+    for flag in ("--rpc_address", "--http_metadata_server_host", "--metrics_host"):
+        assert _arg(master["command"], flag) == "127.0.0.1"
+    assert _arg(owner["command"], "--host") == "127.0.0.1" and owner["environment"]["MC_TCP_BIND_ADDRESS"] == "127.0.0.1"
+    assert owner["depends_on"]["mooncake-master"]["condition"] == "service_healthy"
+    url = re.search(r'kvstore demo --store "(mooncake://[^"]+)"', COMPOSE.read_text()).group(1)
+    config = MooncakeConfig.from_url(url)
+    assert config.master_port == int(_arg(master["command"], "--rpc_port")) == int(stack["_env"]["MOONCAKE_PORT"])
+    assert config.metadata_url == f"http://127.0.0.1:{_arg(master['command'], '--http_metadata_server_port')}/metadata"
+    assert _arg(owner["command"], "--master_server_address") == config.master
+    assert _arg(owner["command"], "--metadata_server") == config.metadata_url
+    assert config.segment == 0  # the demo's replicas run one after the other: the pool is the owner's
+    admin = _arg(master["command"], "--metrics_port")
+    assert all(f"127.0.0.1:{admin}/" in " ".join(svc["healthcheck"]["test"]) for svc in (master, owner))
 
 
 # -- the connector ------------------------------------------------------------------------------------------
@@ -457,7 +481,8 @@ def test_docker_compose_config_accepts_the_file(tmp_path):
                         capture_output=True, text=True, timeout=60, env=env)
     assert ok.returncode == 0, ok.stderr
     config = json.loads(ok.stdout)
-    assert set(config["services"]) == {"redis", "minio", "minio-init", "vllm", "prometheus", "grafana"}
+    assert set(config["services"]) == {"redis", "minio", "minio-init", "vllm", "prometheus", "grafana",
+                                       "mooncake-master", "mooncake-store"}
     grafana = config["services"]["grafana"]
     assert {v["target"] for v in grafana["volumes"]} >= {"/etc/grafana/provisioning", "/var/lib/grafana/dashboards"}
     published = {(p["host_ip"], p["target"], p["published"]) for p in grafana["ports"]}

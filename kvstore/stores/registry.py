@@ -77,7 +77,8 @@ BACKENDS: list[Backend] = [
             "kvstore.stores.mooncake:MooncakeConfig", extra="mooncake",
             forms=("mooncake://MASTER_HOST[:50051]?metadata=http://MASTER_HOST:8080/metadata&protocol=tcp&segment=4GiB",),
             notes="A distributed DRAM pool (`mooncake_master`, kvcache-ai/Mooncake) read and written with zero-copy "
-                  "batch calls into registered memory, over TCP or RDMA. Embedded: each engine process contributes "
+                  "batch calls, straight into the reader's buffer pool (registered with the transfer engine over "
+                  "RDMA), over TCP or RDMA; every call within `deadline`. Embedded: each engine process contributes "
                   "`segment` bytes and its objects die with it (a miss); standalone (`segment=0`): a "
                   "`mooncake_client` process per host owns the pool. The client's binaries need libibverbs1 and "
                   "librdmacm1 (apt) even over TCP; `docs/deploy.md` has the commands."),
