@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import vllm_model
-from test_vllm_connector import gen
+from oracles import gen
 from test_vllm_unit import BS, ask, facts, make_connector, paged, run_worker, step
 from vllm_engines import run_engine
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import vllm_model
-from test_vllm_connector import gen
+from oracles import gen
 from vllm_engines import run_engine
 
 pytestmark = pytest.mark.vllm

@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import vllm_model
+from oracles import gen
 from servers import wait_until
-from test_vllm_connector import gen, store_urls
+from test_vllm_connector import store_urls
 from test_warm_exit import warm_argv
 from vllm_engines import OpenAIServer, engine_env, run_engine
 

@@ -2,9 +2,10 @@
 checkpoints of each family: tests/vllm_families.py).
 
 For each family: vLLM alone, a writer with the connector and a fresh reader with the connector,
-each in its own process over one file store. The connector must keep every KV cache group vLLM
-makes without it (the hybrid allocator stays on, the KV cache holds as many blocks), the reader
-must produce the writer's tokens, and:
+each in its own process over one file store, one prompt per ``generate`` call. The connector must
+keep every KV cache group vLLM makes without it (the hybrid allocator stays on, the KV cache holds
+as many blocks); the writer must produce vLLM's tokens of a cold run, and the reader vLLM's tokens
+after its own prefix-cache hit of the length the reader loaded (``tests/oracles.py``, rule 1); and:
 
 * attention hybrids (sliding windows or Llama 4's chunked local attention beside full
   attention): the reader loads the whole stored prefix, every group of it; each windowed group
@@ -27,7 +28,7 @@ import numpy as np
 import pytest
 import vllm_families
 import vllm_model
-from test_vllm_connector import gen
+from oracles import assert_continuation, gen
 from vllm_engines import run_engine
 
 from kvstore.connectors.vllm.plan import lookup_limit, window_chunks
@@ -49,12 +50,20 @@ def _prompt(family: str, seed: int, length: int) -> list[int]:
     return vllm_model.prompt(seed, length, vocab=vllm_families.VOCAB)
 
 
-def _run(model: str, connector: dict | None, prompts: list[list[int]], block_size: int = 32, **engine) -> dict:
+def _run(model: str, connector: dict | None, prompts: list[list[int]], block_size: int = 32, *,
+         twice: bool = False, **engine) -> dict:
+    """One engine, each prompt in its own ``generate`` call: ``tokens`` and ``cached`` per prompt,
+    and with ``twice`` each prompt run again right after (``warm``, ``warm_cached``: after vLLM's own
+    prefix-cache hit), then the engine's info."""
+    runs = 2 if twice else 1
     out = run_engine({"model": model, "connector": connector,
                       "engine": {"max_model_len": 1024, "block_size": block_size, **engine},
-                      "actions": [gen(prompts), INFO]})
-    generated, info = out["results"]
-    return {"tokens": generated["tokens"], "cached": generated["cached"], **info}
+                      "actions": [gen([p], logprobs=2) for p in prompts for _ in range(runs)] + [INFO]})
+    *generated, info = out["results"]
+    first, again = generated[0::runs], generated[1::runs] if twice else []
+    return {"tokens": [g["tokens"][0] for g in first], "cached": [g["cached"][0] for g in first],
+            "logprobs": [g["logprobs"][0] for g in first],
+            "warm": [g["tokens"][0] for g in again], "warm_cached": [g["cached"][0] for g in again], **info}
 
 
 def _records_by_namespace(url: str) -> Counter[str]:
@@ -68,15 +77,16 @@ def test_attention_hybrids_keep_their_groups_and_load_every_group(family, tmp_pa
     prompts = [_prompt(family, 41, 300), _prompt(family, 42, 200)]
     url = f"file://{tmp_path_factory.mktemp(family + '-kv')}"
     connector = {"store": [url], "chunk_tokens": CHUNK}
-    alone = _run(model, None, prompts)
+    alone = _run(model, None, prompts, twice=True)
     writer = _run(model, connector, prompts)
     reader = _run(model, connector, prompts)
     groups = alone["kv_cache_groups"]
     assert len(groups) > 1 and any(kind in WINDOWED for kind, _, _ in groups), groups
     assert writer["kv_cache_groups"] == reader["kv_cache_groups"] == groups  # the hybrid allocator stays on
     assert writer["num_blocks"] == alone["num_blocks"]  # and the KV cache holds as much
-    assert writer["tokens"] == reader["tokens"] == alone["tokens"]
     stored = [lookup_limit(len(p), vllm_model.BLOCK_SIZE) for p in prompts]
+    assert writer["tokens"] == alone["tokens"]
+    assert reader["cached"] == alone["warm_cached"] == stored and reader["tokens"] == alone["warm"]
     assert writer["kvstore"]["tokens_loaded"] == 0
     assert reader["kvstore"]["tokens_loaded"] == sum(stored)  # every stored token, in every group
     # One namespace per group; a full group stores every chunk, a windowed one about a window.
@@ -109,16 +119,17 @@ def test_recurrent_state_hybrid_loads_the_state_at_the_hits_end(tmp_path_factory
     prompts = [_prompt(family, 43, 300), _prompt(family, 42, 200)]
     url = f"file://{tmp_path_factory.mktemp(family + '-kv')}"
     connector = {"store": [url], "chunk_tokens": CHUNK}
-    alone = _run(model, None, prompts)
+    alone = _run(model, None, prompts, twice=True)
     writer = _run(model, connector, prompts)
     reader = _run(model, connector, prompts)
     groups = alone["kv_cache_groups"]
     assert [kind for kind, _, _ in groups] == ["MambaSpec"] * 3 + ["FullAttentionSpec"]
     assert writer["kv_cache_groups"] == reader["kv_cache_groups"] == groups  # the hybrid allocator stays on
     assert writer["num_blocks"] == alone["num_blocks"]
-    assert writer["tokens"] == reader["tokens"] == alone["tokens"]
     stored = [lookup_limit(len(p), vllm_model.BLOCK_SIZE) for p in prompts]
-    assert reader["cached"] == stored and reader["kvstore"]["tokens_loaded"] == sum(stored)
+    assert writer["tokens"] == alone["tokens"]
+    assert reader["cached"] == alone["warm_cached"] == stored and reader["tokens"] == alone["warm"]
+    assert reader["kvstore"]["tokens_loaded"] == sum(stored)
     assert writer["kvstore"]["bypassed"] == reader["kvstore"]["bypassed"] == 0
     # Each state group stores one state per prompt (at its end: the prompts are shorter than
     # window_interval), the full group every chunk.
@@ -132,10 +143,10 @@ def test_recurrent_state_hybrid_loads_the_state_at_the_hits_end(tmp_path_factory
     with open_store(url) as store:
         flip_byte(store, next(iter(states)), offset=-100, mask=1)
     damaged = _run(model, connector, prompts)
-    assert damaged["tokens"] == alone["tokens"]
+    assert damaged["tokens"] == [alone["tokens"][0], alone["warm"][1]]
     assert damaged["cached"] == [0, stored[1]] and damaged["kvstore"]["corrupt"] == 1
     healed = _run(model, connector, prompts)
-    assert healed["cached"] == stored and healed["tokens"] == alone["tokens"] and healed["kvstore"]["corrupt"] == 0
+    assert healed["cached"] == stored and healed["tokens"] == alone["warm"] and healed["kvstore"]["corrupt"] == 0
 
     # Validly encoded noise in the states (the SSM part, at its own scale): loaded, and the tokens change.
     rng = np.random.default_rng(0)
@@ -150,9 +161,9 @@ def test_recurrent_state_hybrid_loads_the_state_at_the_hits_end(tmp_path_factory
                                          chunk=chunk, tokens=h.token_ids, dtype=h.dtype, shapes=h.shapes,
                                          kv=page.tobytes(), chain=h.codecs))
     noisy = _run(model, connector, prompts)
-    assert noisy["cached"] == stored and noisy["tokens"][1] == alone["tokens"][1]
-    changed = sum(x != y for x, y in zip(noisy["tokens"][0], alone["tokens"][0]))
-    assert changed >= len(alone["tokens"][0]) // 2, (noisy["tokens"][0], alone["tokens"][0])
+    assert noisy["cached"] == stored and noisy["tokens"][1] == alone["warm"][1]
+    changed = sum(x != y for x, y in zip(noisy["tokens"][0], alone["warm"][0]))
+    assert changed >= len(alone["warm"][0]) // 2, (noisy["tokens"][0], alone["warm"][0])
 
 
 def test_a_mamba2_hybrid_without_prefix_caching_is_served_without_the_cache(tmp_path_factory):
@@ -170,41 +181,62 @@ def test_a_mamba2_hybrid_without_prefix_caching_is_served_without_the_cache(tmp_
     assert not _records_by_namespace(url)
 
 
+def _host_has_amx() -> bool:
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def test_mla_latents_load_with_identical_tokens(tmp_path_factory):
-    """DeepSeek-V2's MLA on vLLM CPU (its reference MLA backend: 576 latent dims, block size 16,
-    vLLM's own prefix caching off): a fresh reader loads the whole stored prefix."""
+    """DeepSeek-V2's MLA (576 latent dims): a fresh reader loads the whole stored prefix.
+
+    The host decides vLLM's MLA backend (tests/vllm_families.py), and with it the oracle. With AMX
+    tiles: bfloat16, block size 32 and vLLM's own prefix cache, so the reader's tokens equal vLLM's
+    after its own hit of the same length (``tests/oracles.py``, rule 1). Without: vLLM's reference
+    backend (block size 16) keeps no prefix cache, so no run of vLLM alone computes what the reader
+    does; float32, and the reader's tokens continue the cold run's up to a near tie (rule 2)."""
     family = "deepseek-v2"
-    block = vllm_families.family_block_size(family)
+    amx = _host_has_amx()
+    dtype = "bfloat16" if amx else "float32"
     model = str(vllm_families.write_family_model(family, tmp_path_factory.mktemp(family)))
     prompts = [_prompt(family, 44, 300)]
     url = f"file://{tmp_path_factory.mktemp(family + '-kv')}"
     connector = {"store": [url], "chunk_tokens": CHUNK}
-    alone = _run(model, None, prompts, block)
-    writer = _run(model, connector, prompts, block)
-    reader = _run(model, connector, prompts, block)
+    alone = _run(model, None, prompts, twice=True, dtype=dtype)
+    writer = _run(model, connector, prompts, dtype=dtype)
+    reader = _run(model, connector, prompts, dtype=dtype)
     assert [kind for kind, _, _ in alone["kv_cache_groups"]] == ["MLAAttentionSpec"]
-    assert writer["tokens"] == reader["tokens"] == alone["tokens"]
-    stored = lookup_limit(len(prompts[0]), block)
-    assert reader["kvstore"]["tokens_loaded"] == stored
+    assert alone["block_size"] == (32 if amx else 16)
+    stored = lookup_limit(len(prompts[0]), alone["block_size"])
+    assert writer["tokens"] == alone["tokens"]
+    assert reader["cached"] == [stored] and reader["kvstore"]["tokens_loaded"] == stored
+    if amx:
+        assert alone["warm_cached"] == [stored] and reader["tokens"] == alone["warm"]
+    else:
+        assert alone["warm_cached"] == [0]  # vLLM's prefix cache is off: no hit to compare with
+        assert_continuation(reader["tokens"][0], alone["tokens"][0], alone["logprobs"][0], dtype=dtype,
+                            got_logprobs=reader["logprobs"][0])
     assert sum(_records_by_namespace(url).values()) == -(-stored // CHUNK)
 
 
 def test_tensor_parallel_hybrid_stores_every_group_of_every_rank(tmp_path_factory):
     """Gemma 2 at TP=2: each rank stores its shard of each group (4 namespaces) and a TP=2 reader
-    loads every group of every rank, with the TP=2 writer's tokens (TP changes bf16 rounding, so
-    compare within one TP size). Deadlines are relaxed: this test is about the shards."""
+    loads every group of every rank, with the tokens the TP=2 writer computed after its own
+    prefix-cache hit of the prompt (its second run: rule 1 of tests/oracles.py within one TP size,
+    whose all-reduce order is its own). Deadlines are relaxed: this test is about the shards."""
     family = "gemma2"
     model = str(vllm_families.write_family_model(family, tmp_path_factory.mktemp(family + "-tp")))
     prompt = _prompt(family, 45, 300)
     url = f"file://{tmp_path_factory.mktemp(family + '-tp-kv')}"
     connector = {"store": [url], "chunk_tokens": CHUNK, "load_policy": "always", "lookup_timeout": "30s"}
-    tp2 = {"tensor_parallel_size": 2, "enable_prefix_caching": False, "max_model_len": 1024}
+    tp2 = {"tensor_parallel_size": 2, "max_model_len": 1024}
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    write = run_engine({"model": model, "connector": connector, "engine": tp2, "actions": [gen([prompt])]},
-                       multiprocess=True, env=env, timeout=300)
+    write = run_engine({"model": model, "connector": connector, "engine": tp2,
+                        "actions": [gen([prompt]), gen([prompt])]}, multiprocess=True, env=env, timeout=300)
     assert len(_records_by_namespace(url)) == 4  # 2 groups x 2 ranks
     read = run_engine({"model": model, "connector": connector, "engine": tp2, "actions": [gen([prompt])]},
                       multiprocess=True, env=env, timeout=300)
-    assert write["results"][0]["cached"][0] == 0
-    assert read["results"][0]["cached"][0] == lookup_limit(len(prompt), vllm_model.BLOCK_SIZE)
-    assert read["results"][0]["tokens"] == write["results"][0]["tokens"]
+    stored = lookup_limit(len(prompt), vllm_model.BLOCK_SIZE)
+    assert [r["cached"][0] for r in write["results"]] == [0, stored]
+    assert read["results"][0]["cached"][0] == stored
+    assert read["results"][0]["tokens"] == write["results"][1]["tokens"]

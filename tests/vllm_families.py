@@ -29,10 +29,11 @@ What vLLM CPU 0.32 makes of them (block_size 32, hybrid KV cache manager on; see
 * ``qwen3-next``: 3 gated-delta-net (linear attention) layers : 1 full, MoE -> 4 groups (3
   MambaSpec of one layer, 1 FullAttentionSpec), pages of 32 KiB. Needs the hybrid KV cache
   manager: a connector without ``SupportsHMA`` fails at start-up.
-* ``deepseek-v2``: 2 layers of MLA -> 1 group (MLAAttentionSpec, head 576). vLLM CPU's
-  reference MLA backend (the tests hide AMX from vLLM: ``vllm_worker.choose_kernels``) only runs
-  a latent of ``kv_lora_rank + qk_rope_head_dim == 576`` (512 + 64), forces ``block_size=16`` (``family_block_size``) and turns prefix
-  caching and chunked prefill off.
+* ``deepseek-v2``: 2 layers of MLA -> 1 group (MLAAttentionSpec, head 576: vLLM CPU's MLA
+  backends only run a latent of ``kv_lora_rank + qk_rope_head_dim == 576``, 512 + 64). On a CPU
+  with AMX tiles vLLM picks its AMX MLA backend (bfloat16 only, block sizes that are multiples of
+  32, prefix caching on); elsewhere its reference MLA backend, which overrides the block size to
+  16 and turns prefix caching and chunked prefill off.
 
 Importing this module imports neither vLLM nor transformers (only when writing).
 """
@@ -266,11 +267,6 @@ def family_config(name: str, **overrides: Any) -> dict[str, Any]:
     config = {**copy.deepcopy(_COMMON), **copy.deepcopy(_CONFIGS[name])}
     config.update(overrides)
     return config
-
-
-def family_block_size(name: str) -> int:
-    """The KV block size vLLM CPU 0.32 runs the family with (MLA forces 16)."""
-    return 16 if name == "deepseek-v2" else BLOCK_SIZE
 
 
 def _std(fan_in: int) -> float:
