@@ -79,12 +79,11 @@ _ADMIN_TIMEOUT = 10.0  # seconds to list the keys (a tool's call)
 
 @dataclass
 class _Read:
-    """One batch read: which values it moves, into which leases, the call doing it and its end."""
+    """One batch read: which values it moves, into which leases, and the call doing it."""
 
     indexes: list[int]
     leases: list[Lease]
     call: Future[list[int]] | None = None
-    end: float = 0.0
 
     def abandon(self) -> None:
         """Give the leases back once no call writes into them any more."""
@@ -287,8 +286,9 @@ class MooncakeStore(Store):
     def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Values received straight into leases of ``pool`` (registered with the transfer engine):
         their sizes in one call, then one ``batch_get_into`` per window of at most ``window``
-        bytes, each answered within ``deadline`` of when it was sent. Window i+1 is sent before
-        window i's values are yielded. A lease that a late call still writes into goes back to
+        bytes, each answered within ``deadline`` of when the reader waits for it (its own work
+        between windows does not count against the pool). Window i+1 is sent once window i has
+        arrived, before its values are yielded. A lease that a late call still writes into goes back to
         the pool when that call ends, however the stream ends. ``place`` is not used: every value
         lands whole in its lease."""
         names = [self._name(k) for k in keys]
@@ -308,11 +308,13 @@ class MooncakeStore(Store):
                     yield borrow(b"") if i in empties else None
                     continue
                 if i not in got:
-                    done += 1
-                    if done < len(windows):  # the next window arrives while this one is used
-                        sent.append(self._read(names, sizes, windows[done], pool))
                     got.update(self._received(sent[0]))
                     sent.popleft()
+                    done += 1
+                    # The next window moves while the reader uses this one; never two at once:
+                    # two batches in flight share the transfer engine's threads and lose to one.
+                    if done < len(windows):
+                        sent.append(self._read(names, sizes, windows[done], pool))
                 yield got.pop(i)
         finally:
             for lease in got.values():
@@ -360,7 +362,7 @@ class MooncakeStore(Store):
                 return list(client.batch_get_into(wanted, [address(lease.view) for lease in leases],
                                                   [lease.nbytes for lease in leases]))
 
-            read.call, read.end = self._submit(receive)
+            read.call, _ = self._submit(receive)
         except BaseException:
             read.abandon()
             raise
@@ -369,7 +371,9 @@ class MooncakeStore(Store):
     def _received(self, read: _Read) -> dict[int, Lease | None]:
         """Wait for ``read`` (until its deadline) and sort its values into hits and misses."""
         assert read.call is not None
-        codes = self._wait(read.call, read.end)  # on a timeout the caller's ``finally`` abandons it
+        # Within a deadline of when the reader comes to wait for it: the reader's own work on the
+        # window before (verifying it, on the same cores) never counts against the pool.
+        codes = self._wait(read.call, time.monotonic() + self.config.deadline)  # late: the caller abandons it
         out: dict[int, Lease | None] = {}
         leases, read.leases = read.leases, []
         try:
