@@ -166,6 +166,33 @@ def test_recurrent_state_hybrid_loads_the_state_at_the_hits_end(tmp_path_factory
     assert changed >= len(alone["warm"][0]) // 2, (noisy["tokens"][0], alone["warm"][0])
 
 
+def test_a_hybrid_whose_blocks_vllm_raises_starts_with_chunks_that_fit(tmp_path_factory):
+    """Qwen3-Next with 4 value heads and 2 KV heads: vLLM's align mode raises every block to 160
+    tokens (one attention page must hold a layer's state). A connector given no chunk_tokens starts
+    with chunks of 320, the smallest multiple of 160 that is at least 256, and logs it; a fresh
+    reader loads the whole stored prefix with vLLM's tokens after its own hit. A chunk_tokens the
+    user set that does not fit stops the engine at start-up, naming both numbers."""
+    family = "qwen3-next"
+    model = str(vllm_families.write_family_model(family, tmp_path_factory.mktemp(family + "-raised"),
+                                                 num_key_value_heads=2, linear_num_value_heads=4))
+    prompts = [_prompt(family, 47, 700)]
+    url = f"file://{tmp_path_factory.mktemp(family + '-raised-kv')}"
+    alone = _run(model, None, prompts, twice=True)
+    block = alone["block_size"]
+    assert block == 160 and [kind for kind, _, _ in alone["kv_cache_groups"]][-1] == "FullAttentionSpec"
+    writer = run_engine({"model": model, "connector": {"store": [url]}, "engine": {"max_model_len": 1024},
+                         "actions": [gen(prompts)]})
+    assert "chunk_tokens=320 (not set" in writer["log"]
+    reader = _run(model, {"store": [url]}, prompts)
+    stored = lookup_limit(len(prompts[0]), block)
+    assert writer["results"][0]["tokens"] == alone["tokens"]
+    assert reader["cached"] == alone["warm_cached"] == [stored] and reader["tokens"] == alone["warm"]
+    refused = run_engine({"model": model, "connector": {"store": [url], "chunk_tokens": 256},
+                          "engine": {"max_model_len": 1024}, "actions": []}, check=False)
+    assert refused["returncode"] != 0
+    assert "chunk_tokens=256 cannot line up with vLLM's mamba block size 160" in refused["log"]
+
+
 def test_a_mamba2_hybrid_without_prefix_caching_is_served_without_the_cache(tmp_path_factory):
     """NemotronH (Mamba2): vLLM CPU runs it only with prefix caching off, where it keeps no state
     at block boundaries: the connector starts, stores nothing, and counts every request."""

@@ -6,6 +6,7 @@ edge cases a real engine rarely shows. The real-engine checks are in tests/test_
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ if importlib.util.find_spec("vllm") is None:  # a skip on a developer machine, a
 from test_vllm_groups import GroupBlocks, connectors
 from test_vllm_unit import BS, ask, facts, fake_request, fake_vllm_config, run_worker, step
 
-from kvstore.connectors.vllm.facts import STATE_LAYOUT, KVGroup, build_namespace, engine_facts
+from kvstore.connectors.vllm.facts import STATE_LAYOUT, KVGroup, build_namespace, engine_facts, resolve_chunk_tokens
 from kvstore.connectors.vllm.options import parse_options
 from kvstore.connectors.vllm.plan import state_ends, window_chunks, window_start
 from kvstore.cost import CostModel
@@ -202,6 +203,40 @@ def test_chunk_sizes_that_cannot_line_up_with_the_state_blocks_are_refused_namin
         engine_facts(cfg, kv, parse_options({"store": "memory://", "chunk_tokens": 64}))
     with pytest.raises(ConfigError, match=r"attention block size=32 cannot line up with vLLM's mamba block size 128"):
         engine_facts(cfg, kv, parse_options({"store": "memory://", "chunk_tokens": 256}))
+
+
+def test_without_chunk_tokens_the_chunk_fits_every_groups_blocks_and_a_set_value_is_kept_or_refused(caplog):
+    """vLLM's align mode makes a hybrid's blocks as long as one attention page takes to hold a
+    layer's state (a tiny Qwen3-Next from a plain config: 4,192 tokens), so no fixed default fits
+    every model: chunk_tokens left at 0 becomes the smallest multiple of every block size that is
+    at least 256, logged; a value the user set is kept, or refused naming both numbers."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    def facts_with(block: int, *, state: bool = True):
+        cfg, kv = fake_vllm_config()
+        full = FullAttentionSpec(block_size=block, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)
+        kv.kv_cache_groups = [SimpleNamespace(kv_cache_spec=full, layer_names=[FULL_LAYER])]
+        if state:
+            gdn = MambaSpec(block_size=block, shapes=((3, 192), (1, 64, 64)), dtypes=(torch.bfloat16, torch.float32),
+                            mamba_cache_mode="align")
+            kv.kv_cache_groups.insert(0, SimpleNamespace(kv_cache_spec=gdn, layer_names=STATE_LAYERS))
+        return lambda opts: engine_facts(cfg, kv, opts)
+
+    auto = parse_options({"store": "memory://"})
+    assert auto.chunk_tokens == 0
+    for block, chosen in ((4192, 4192), (160, 320), (32, 256), (96, 288)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="kvstore.vllm"):
+            f = facts_with(block)(auto)
+            resolved = resolve_chunk_tokens(auto, f)
+        assert resolved.chunk_tokens == chosen, block
+        assert f"chunk_tokens={chosen} (not set" in caplog.text
+        assert build_namespace(f, resolved, 0, f.kv_groups[-1])[0].chunk_tokens == chosen
+    assert resolve_chunk_tokens(auto, facts_with(32, state=False)(auto)).chunk_tokens == 256
+    mine = parse_options({"store": "memory://", "chunk_tokens": 8384})
+    assert resolve_chunk_tokens(mine, facts_with(4192)(mine)) is mine
+    with pytest.raises(ConfigError, match=r"chunk_tokens=256 cannot line up with vLLM's mamba block size 4192"):
+        facts_with(4192)(parse_options({"store": "memory://", "chunk_tokens": 256}))
 
 
 def test_pipeline_parallelism_is_refused_naming_what_is_missing():

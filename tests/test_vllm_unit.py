@@ -661,9 +661,17 @@ def test_kvstore_logs_through_vllms_handlers_unless_logging_was_set_up(monkeypat
     monkeypatch.setattr(ours, "handlers", [])
     monkeypatch.setattr(ours, "level", logging.NOTSET)
     monkeypatch.setattr(theirs, "handlers", [handler])
+    monkeypatch.setattr(ours, "propagate", True)
     monkeypatch.setattr(root, "handlers", [logging.NullHandler()])
+    monkeypatch.setattr(root, "level", logging.INFO)
     log_through_vllm()
     assert ours.handlers == []  # the application configured logging: left alone
-    monkeypatch.setattr(root, "handlers", [])
-    log_through_vllm()
-    assert ours.handlers == [handler] and ours.getEffectiveLevel() == theirs.getEffectiveLevel()
+    for handlers, level in (([], logging.INFO), ([logging.NullHandler()], logging.WARNING)):
+        # No root handler; or basicConfig's at WARNING, which vLLM itself installs on MoE models.
+        monkeypatch.setattr(root, "handlers", handlers)
+        monkeypatch.setattr(root, "level", level)
+        monkeypatch.setattr(ours, "handlers", [])
+        monkeypatch.setattr(ours, "level", logging.NOTSET)
+        log_through_vllm()
+        assert ours.handlers == [handler] and ours.getEffectiveLevel() == theirs.getEffectiveLevel()
+        assert not ours.propagate  # one copy of each line

@@ -72,12 +72,18 @@ def log_through_vllm() -> None:
     """kvstore's log lines out through vLLM's handlers, at vLLM's level, when nothing else takes
     them: vLLM configures its own logger only, so without this only kvstore's warnings would
     reach stderr, bare, and its start-up and load lines never. An application that configured
-    logging (the root logger or ``kvstore``'s) keeps its own set-up."""
-    ours, theirs = logging.getLogger("kvstore"), logging.getLogger("vllm")
-    if ours.handlers or logging.getLogger().handlers or not theirs.handlers:
+    logging (``kvstore``'s logger, or the root logger at a level below WARNING) keeps its own set-up.
+
+    A root logger with handlers at the default WARNING level is not taken for an application's
+    choice: vLLM CPU 0.32 itself installs one on MoE models (``zentorch_utils`` calls the module's
+    ``logging.debug``, which runs ``basicConfig``), and kvstore's start-up lines then vanished. Our
+    lines then stop at vLLM's handlers (no second copy through that root handler)."""
+    ours, theirs, root = logging.getLogger("kvstore"), logging.getLogger("vllm"), logging.getLogger()
+    if ours.handlers or (root.handlers and root.getEffectiveLevel() < logging.WARNING) or not theirs.handlers:
         return
     for handler in theirs.handlers:
         ours.addHandler(handler)
+    ours.propagate = False
     if ours.level == logging.NOTSET:
         ours.setLevel(theirs.getEffectiveLevel())
 
