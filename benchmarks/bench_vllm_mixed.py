@@ -15,6 +15,10 @@ stored in Redis, arriving one every few engine steps, the same steps in every mo
 
 Reported per mode, medians over ``--runs`` engine runs: the streams' inter-token latency p50/p99
 while arrivals come in, total output tokens per second, and the arrivals' time to first token.
+Each run prints its row as it completes. The arrivals are timed, so which requests share a step
+differs between modes and runs, and bfloat16 rounds differently (on an AMX host a near tie then
+flips a greedy token): the table counts the requests whose tokens equal the first run's of mode
+(a), as information; correctness is the tests' (docs/testing.md, "oracles that hold on any host").
 
 A second part checks the load-or-recompute decision: the same arrivals through a link throttled to
 ``--throttle-mbps`` (``kvstore.testing.proxy``) in front of the same Redis. The cost model measures
@@ -108,26 +112,30 @@ def main() -> None:
                  "(b) connector, sync": {**base, "load_mode": "sync", "save_mode": "sync", "load_policy": "always"},
                  "(c) connector, async": {**base, "load_policy": "always"}}
         results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
-        reference_tokens = None
-        for _ in range(args.runs if args.part != "decision" else 0):
+        reference_tokens: dict[str, list[int]] = {}
+        for run_index in range(args.runs if args.part != "decision" else 0):
             for name, conn in modes.items():  # interleaved: load from other work hits every mode alike
                 out = run({"model": str(model), "connector": conn, "engine": ENGINE, "actions": [{"mixed": mixed}]})
                 res = out["results"][0]
-                if reference_tokens is None:
-                    reference_tokens = res["tokens"]
-                assert res["tokens"] == reference_tokens, f"{name}: tokens differ from the first run's"
-                results[name].append(measure(res, args.streams, args.arrivals))
+                reference_tokens = reference_tokens or res["tokens"]
+                row = measure(res, args.streams, args.arrivals)
+                row["identical"] = sum(res["tokens"].get(rid) == want for rid, want in reference_tokens.items())
+                results[name].append(row)
+                print(f"run {run_index + 1} {name}: ITL p50 {row['itl_p50'] * 1e3:.1f} ms, p99 {row['itl_p99'] * 1e3:.1f} ms, "
+                      f"TTFT {row['ttft'] * 1e3:.0f} ms, {row['tokens_per_s']:.0f} tokens/s, "
+                      f"{row['identical']:.0f}/{len(reference_tokens)} requests' tokens as (a)'s first run", flush=True)
         med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in results.items() if rs}
         itl_ratio = ttft_ratio = float("nan")
         if med:
             lines += [f"{args.streams} decode streams (64-token prompts, 400 tokens out) while {args.arrivals} requests of "
                       f"{args.tokens} tokens with stored prefixes arrive one every {mixed['every']} steps; medians of "
-                      f"{args.runs} runs (tokens identical in every mode).", "",
-                      "| mode | stream ITL p50 ms | stream ITL p99 ms | arrivals' TTFT ms | output tokens/s |",
-                      "|---|---|---|---|---|"]
+                      f"{args.runs} runs (tokens: requests whose tokens equal the first run of (a), median; timed "
+                      f"batches round differently in bfloat16).", "",
+                      "| mode | stream ITL p50 ms | stream ITL p99 ms | arrivals' TTFT ms | output tokens/s | tokens as (a) |",
+                      "|---|---|---|---|---|---|"]
             for m, v in med.items():
                 lines.append(f"| {m} | {v['itl_p50'] * 1e3:.1f} | {v['itl_p99'] * 1e3:.1f} | {v['ttft'] * 1e3:.0f} | "
-                             f"{v['tokens_per_s']:.0f} |")
+                             f"{v['tokens_per_s']:.0f} | {v['identical']:.0f}/{len(reference_tokens)} |")
             a, c = med["(a) no connector"], med["(c) connector, async"]
             itl_ratio, ttft_ratio = c["itl_p99"] / a["itl_p99"], a["ttft"] / c["ttft"]
 
