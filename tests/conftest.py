@@ -215,3 +215,24 @@ def mooncake_master(mooncake_master_factory: Callable[..., servers.MooncakeMaste
     master = mooncake_master_factory()
     master.owner("512MB")
     return master
+
+
+# -- time per test file: scripts/test-all sets KVSTORE_TEST_FILE_TIMES=1 -----------------------------
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("KVSTORE_TEST_FILE_TIMES") == "1":
+        path = report.nodeid.split("::")[0]
+        _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Seconds spent in each test file (set-up, calls and teardown of its tests, module fixtures
+    included), slowest first: what the suite's 15-minute budget is spent on."""
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  (total)")
