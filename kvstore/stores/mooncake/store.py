@@ -171,7 +171,8 @@ class MooncakeStore(Store):
         1 (a value), 0 (absent) or -1 (an empty value)."""
         if not names:
             return []
-        answers = self._call(lambda c: c.batch_is_exist([*names, *(n + _EMPTY for n in names)]))
+        answers = self._codes(self._call(lambda c: c.batch_is_exist([*names, *(n + _EMPTY for n in names)])),
+                              2 * len(names), "a lookup")
         out = []
         for i in range(len(names)):
             value, empty = answers[i], answers[len(names) + i]
@@ -180,6 +181,14 @@ class MooncakeStore(Store):
                     raise outage(self._where, code, "a lookup")
             out.append(1 if value == 1 else (-1 if empty == 1 else 0))
         return out
+
+    def _codes(self, answers: Any, n: int, what: str) -> list[int]:
+        """The client's per-key answers to a batch call, checked: one integer per key."""
+        codes = [int(a) for a in answers]
+        if len(codes) != n:
+            raise StoreUnavailableError(f"{self._where}: {what} of {n} keys was answered with {len(codes)} codes "
+                                        f"({', '.join(describe_code(c) for c in codes[:3])})")
+        return codes
 
     def _sizes(self, names: Sequence[str]) -> list[int | None]:
         """Each object's size from the master (one call), ``None`` where there is none."""
@@ -268,7 +277,7 @@ class MooncakeStore(Store):
                 return list(client.batch_get_into([names[i] for i in wanted], [address(v) for v in views],
                                                   [len(v) for v in views]))
 
-            results = self._call(receive)
+            results = self._codes(self._call(receive), len(wanted), "a read")
             for i, view, code in zip(wanted, views, results):
                 if code == len(view):
                     out[i] = view
@@ -342,7 +351,8 @@ class MooncakeStore(Store):
         """Which of the ``missing`` values are empty ones (one lookup, only if any is missing)."""
         if not missing:
             return set()
-        answers = self._call(lambda c: c.batch_is_exist([names[i] + _EMPTY for i in missing]))
+        answers = self._codes(self._call(lambda c: c.batch_is_exist([names[i] + _EMPTY for i in missing])),
+                              len(missing), "a lookup")
         for code in answers:
             if code < 0 and is_outage(code):
                 raise outage(self._where, code, "a lookup")
@@ -373,7 +383,8 @@ class MooncakeStore(Store):
         assert read.call is not None
         # Within a deadline of when the reader comes to wait for it: the reader's own work on the
         # window before (verifying it, on the same cores) never counts against the pool.
-        codes = self._wait(read.call, time.monotonic() + self.config.deadline)  # late: the caller abandons it
+        codes = self._codes(self._wait(read.call, time.monotonic() + self.config.deadline),  # late: abandoned
+                            len(read.leases), "a read")
         out: dict[int, Lease | None] = {}
         leases, read.leases = read.leases, []
         try:
@@ -500,7 +511,8 @@ class MooncakeStore(Store):
             let_go()
             raise
         try:
-            results = self._wait(future, end, on_late=let_go, wait_late=not kept)
+            results = self._codes(self._wait(future, end, on_late=let_go, wait_late=not kept), len(names),
+                                  "a write")
         except StoreTimeoutError:
             if not kept:  # the call has ended (waited for); a kept one lets go when it ends
                 let_go()
@@ -526,6 +538,7 @@ class MooncakeStore(Store):
             return marked, list(client.batch_remove(names, True))
 
         marked, removed = self._call(write, wait_late=True)
+        marked, removed = self._codes(marked, len(names), "a write"), self._codes(removed, len(names), "a removal")
         for name, code in zip(names, marked):
             if code < 0 and code not in RACES:
                 raise outage(self._where, code, f"writing the empty value of {name!r}")
@@ -539,7 +552,8 @@ class MooncakeStore(Store):
         names = [self._name(k) for k in keys]
         if not names:
             return 0
-        codes = self._call(lambda c: list(c.batch_remove([*names, *(n + _EMPTY for n in names)], True)))
+        codes = self._codes(self._call(lambda c: c.batch_remove([*names, *(n + _EMPTY for n in names)], True)),
+                            2 * len(names), "a removal")
         for code in codes:
             if code < 0 and code != NOT_FOUND and is_outage(code):
                 raise outage(self._where, code, "a removal")
