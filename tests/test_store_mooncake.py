@@ -344,7 +344,7 @@ def test_objects_evicted_once_their_leases_expire_are_misses(mooncake_master_fac
         assert not all(present) and any(present), present
         got = store.get_many(keys)
         assert all(v is None or bytes(v) == value for v in got)
-        assert [v is not None for v in got[:10]] == [False] * 10  # the oldest went first
+        assert got[0] is None and got[-1] is not None  # the oldest went, the newest stayed
         pool = BufferPool(64 << 20)
         for lease in store.get_into(keys, pool):  # sizes asked before: some may go in between, still misses
             if lease is not None:
