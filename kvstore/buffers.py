@@ -33,12 +33,13 @@ A self-checked value (every kvstore record) ends with the xxh3-64 of all its byt
 8. A store that receives one into a lease may hash it as it arrives (``ArrivalDigest``), while
 each piece is in the CPU's cache, and leave the digest in ``Lease.digest``: the reader then
 compares it with the value's last 8 bytes instead of reading the whole value once more. A store
-whose values are already in memory (a mapping) may instead start hashing one on ``workers()``
+whose values are already in memory (a mapping) may instead start hashing one on ``hashers()``
 and hand the lease out at once (``Lease.hash_later``): reading ``digest`` then waits for it, so a
 reader can start moving the bytes (a DMA) while they are hashed.
 
-``workers()`` is the process's pool of threads for work that releases the GIL (hashing, large
-copies, writes of local files), sized to the host. Its tasks never wait for one another.
+``workers()`` is the process's pool of threads for a save's work that releases the GIL (large
+copies, writes of local files), ``hashers()`` the one for a load's hashes, each sized to the host.
+Their tasks never wait for one another.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from kvstore.types import Buffer, array_view
 
 __all__ = ["ArrivalDigest", "BufferPool", "Lease", "Pieces", "Seal", "Sealing", "borrow", "default_pool",
            "configure_default_pool", "DEFAULT_POOL_BYTES", "SELF_CHECK_BYTES", "STREAM_SLICE", "byte_view",
-           "copy_bytes", "footprint", "io_batches", "IOV_MAX", "lease_or_fresh", "write_all", "workers", "thread_pool", "self_digest"]
+           "copy_bytes", "footprint", "io_batches", "IOV_MAX", "lease_or_fresh", "write_all", "workers", "hashers", "thread_pool", "self_digest", "xxh3_digest"]
 
 #: Default budget of the process-wide pool (``configure_default_pool`` changes it).
 DEFAULT_POOL_BYTES = 1 << 30
@@ -114,8 +115,13 @@ class Lease:
         return self._digest is not None or self._hashing is not None
 
     def hash_later(self, hashing: Future[bytes | None]) -> None:
-        """``digest`` is what ``hashing`` (``self_digest`` of ``view`` on ``workers()``) returns."""
+        """``digest`` is what ``hashing`` (``self_digest`` of ``view`` on ``hashers()``) returns."""
         self._digest, self._hashing = None, hashing
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the buffer is a pool's, reused once the last holder releases it (not borrowed)."""
+        return self._pool is not None
 
     @property
     def array(self) -> np.ndarray:
@@ -156,10 +162,20 @@ def borrow(buffer: Buffer, *, pinned: bool = False) -> Lease:
     return Lease(None, buffer, memoryview(buffer).nbytes, pinned=pinned)
 
 
+def xxh3_digest(data: Buffer) -> bytes:
+    """The xxh3-64 digest of ``data``, hashed with the GIL released where it is large: through a
+    streaming hasher, whose ``update`` gives the GIL up in every xxhash release (3.x always, 4.x
+    above 64 KiB), where the one-shot ``xxh3_64_digest`` held it for the whole pass before 4.0
+    (and a CUDA host runs whatever xxhash it has). So hashes on a pool of threads run at once."""
+    hasher = xxhash.xxh3_64()
+    hasher.update(data)
+    return hasher.digest()
+
+
 def self_digest(view: memoryview) -> bytes | None:
     """``Lease.digest`` of a whole value: the xxh3-64 of all but its last ``SELF_CHECK_BYTES``
-    (None for a value too short to be self-checked). Releases the GIL."""
-    return xxhash.xxh3_64_digest(view[:len(view) - SELF_CHECK_BYTES]) if len(view) >= SELF_CHECK_BYTES else None
+    (None for a value too short to be self-checked). Releases the GIL (``xxh3_digest``)."""
+    return xxh3_digest(view[:len(view) - SELF_CHECK_BYTES]) if len(view) >= SELF_CHECK_BYTES else None
 
 
 _pools: dict[str, ThreadPoolExecutor] = {}
@@ -185,8 +201,15 @@ def thread_pool(name: str) -> ThreadPoolExecutor:
 
 
 def workers() -> ThreadPoolExecutor:
-    """``thread_pool("worker")``: hashing, large copies, local file writes. Its tasks wait for nothing."""
+    """``thread_pool("worker")``: large copies, local file writes (a save's work). Its tasks wait for nothing."""
     return thread_pool("worker")
+
+
+def hashers() -> ThreadPoolExecutor:
+    """``thread_pool("hash")``: hashes of values a reader is about to verify (``Lease.hash_later``),
+    apart from ``workers()``, so a long save's writes never delay a load's verification. Its
+    tasks wait for nothing."""
+    return thread_pool("hash")
 
 
 #: Copies at least this large go through numpy, which releases the GIL while it copies
@@ -304,7 +327,9 @@ class Sealing(Protocol):
 
 
 class Seal(Protocol):
-    """How a ``Pieces`` value computes its trailer: from ``parts[first:]``, in order."""
+    """How a ``Pieces`` value computes its trailer: from ``parts[first:]``, in order. A seal
+    whose trailer ends with the xxh3-64 of every byte of the value before it (a self-checked
+    value's) says so with a true ``self_check`` attribute (``Pieces.digest``)."""
 
     #: The trailer's size in bytes, known before any byte is streamed.
     nbytes: int
@@ -347,6 +372,16 @@ class Pieces:
         if self._seal is None:
             return self._body
         return (*self._body, self.trailer())
+
+    @property
+    def digest(self) -> bytes | None:
+        """``Lease.digest`` of the value, as its last stream computed it: the trailer's last
+        ``SELF_CHECK_BYTES`` where the seal makes them the xxh3-64 of every byte before them
+        (``Seal.self_check``, a record's seal) and a stream has finished; else None. A store that
+        copied the value as it streamed keeps this instead of hashing its copy again."""
+        if self._trailer is None or not getattr(self._seal, "self_check", False):
+            return None
+        return self._trailer[-SELF_CHECK_BYTES:]
 
     @property
     def whole(self) -> memoryview | None:
@@ -457,6 +492,9 @@ class BufferPool:
             raise ValueError(f"cannot lease {nbytes} bytes")
         size = footprint(nbytes)
         deadline = time.monotonic() + wait
+        # Free buffers dropped to make room are freed when this returns, after the lock: freeing
+        # is munmap's work, and a registered buffer's end (kvstore.pinned) starts there.
+        dropped: list[Any] = []
         with self._lock:
             self._stats.leases += 1
             oversize = size > self.max_bytes
@@ -469,7 +507,7 @@ class BufferPool:
                         buf, pinned = free
                         self._leased += len(buf)
                         return Lease(self, buf, nbytes, pinned=pinned)
-                    if self._make_room(size):  # reserved here, allocated below
+                    if self._make_room(size, dropped):  # reserved here, allocated below
                         self._held += size
                         self._leased += size
                         self._stats.allocations += 1
@@ -479,6 +517,7 @@ class BufferPool:
                         self._stats.misses += 1
                         return None
                     self._lock.wait(left)
+        dropped.clear()  # before the new buffer is allocated: the memory they held goes first
         # A new buffer is faulted in (and registered with an accelerator: a driver call that can
         # take milliseconds) outside the lock: leases of free buffers and releases never wait on it.
         try:
@@ -501,13 +540,16 @@ class BufferPool:
                 best = i
         return None if best is None else self._free.pop(best)
 
-    def _make_room(self, size: int) -> bool:
-        """Drop free buffers (largest first) until ``size`` more bytes fit in the budget."""
+    def _make_room(self, size: int, dropped: list[Any]) -> bool:
+        """Drop free buffers (largest first, into ``dropped``: the caller lets them go once it
+        holds no lock) until ``size`` more bytes fit in the budget."""
         if self._held + size <= self.max_bytes:
             return True
         self._free.sort(key=lambda free: len(free[0]))
         while self._free and self._held + size > self.max_bytes:
-            self._held -= len(self._free.pop()[0])
+            buf = self._free.pop()[0]
+            self._held -= len(buf)
+            dropped.append(buf)
         return self._held + size <= self.max_bytes
 
     def _allocate(self, size: int) -> tuple[Any, bool]:
@@ -550,8 +592,9 @@ class BufferPool:
     def clear(self) -> None:
         """Drop every free buffer (leased ones return to the pool later)."""
         with self._lock:
-            self._held -= sum(len(b) for b, _ in self._free)
-            self._free.clear()
+            dropped, self._free = self._free, []
+            self._held -= sum(len(b) for b, _ in dropped)
+        del dropped  # freed here, not under the lock
 
 
 _default: BufferPool | None = None

@@ -9,10 +9,15 @@ record's mapping, a ``memory://`` value), so a verified record goes to the devic
 lies, with no copy on the host.
 
 Contract: ``pin(array)`` registers the memory of a 1-D uint8 array for exactly as long as that
-array lives. Its registration ends when the array is freed (a finalizer of the array, which runs
-before numpy lets go of the memory), never earlier, so nothing that still holds a view of it
-(a lease whose DMA is in flight) can see it end. A failed registration is not an error: the
-memory is read as ordinary memory, and ``stats()`` counts it. Thread-safe.
+array lives. Its registration ends once the array is freed, never earlier, so nothing that
+still holds a view of it (a lease whose DMA is in flight) can see it end. A failed registration
+is not an error: the memory is read as ordinary memory, and ``stats()`` counts it. Thread-safe.
+
+Ending a registration is a driver call that can wait for the device (``cudaHostUnregister``), and
+memory is freed wherever its last reference goes: under a pool's lock, on a loading thread. So a
+registration ends on the process's unpin thread (``when_freed``), the memory kept mapped until it
+has (the array's base, a mapping, stays referenced till then); ``flush_unpins`` waits for it.
+An array that owns its memory (no base to keep) ends its registration where it is freed.
 """
 
 from __future__ import annotations
@@ -21,13 +26,16 @@ import ctypes
 import logging
 import mmap
 import os
+import queue
 import threading
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["HostPinner", "CudaHostPinner", "cuda_pinner", "page_aligned_empty"]
+__all__ = ["HostPinner", "CudaHostPinner", "cuda_pinner", "page_aligned_empty", "when_freed", "flush_unpins"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,76 @@ class HostPinner(Protocol):
     def stats(self) -> dict[str, int]:
         """Counts: ``pinned`` and ``pinned_bytes`` (registrations made), ``unpinned`` (ended),
         ``failed``."""
+
+
+class _Unpins:
+    """The process's unpin thread: registrations end here, in the order their memory was freed
+    (a forked child starts its own)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], object]] = queue.SimpleQueue()
+        self._pending = 0
+        self._pid = -1
+
+    def submit(self, end: Callable[[], None], keep: object) -> None:
+        with self._cond:
+            if self._pid != os.getpid():  # the first use, or a fork's copy: no thread here yet
+                self._pid = os.getpid()
+                self._queue = queue.SimpleQueue()
+                self._pending = 0
+                threading.Thread(target=self._run, args=(self._queue,), name="kvstore-unpin", daemon=True).start()
+            self._pending += 1
+            self._queue.put((end, keep))
+
+    def _run(self, work: queue.SimpleQueue[tuple[Callable[[], None], object]]) -> None:
+        while True:
+            end, keep = work.get()
+            try:
+                end()
+            except Exception:  # a registration that will not end must not stop the others
+                log.warning("ending a host memory registration failed", exc_info=True)
+            finally:
+                del keep  # the memory may go now
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._pending and self._pid == os.getpid():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+
+_unpins = _Unpins()
+
+
+def _memory_owner(array: np.ndarray) -> object | None:
+    """What keeps ``array``'s memory alive once the array is gone (its buffer: a mapping, a
+    memoryview), or None where the array owns its memory."""
+    base: object | None = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base
+
+
+def when_freed(array: np.ndarray, end: Callable[[], None]) -> None:
+    """Call ``end`` (which ends ``array``'s registration) once ``array`` is freed: on the
+    process's unpin thread, the memory kept until ``end`` returns, never on the thread that let
+    the array go nor under its locks; where the array owns its memory, at once, where it goes."""
+    owner = _memory_owner(array)
+    finalizer = weakref.finalize(array, end) if owner is None else weakref.finalize(array, _unpins.submit, end, owner)
+    finalizer.atexit = False  # at exit the driver releases everything itself
+
+
+def flush_unpins(timeout: float = 10.0) -> bool:
+    """Wait until every registration whose memory was freed has ended; False after ``timeout``."""
+    return _unpins.flush(timeout)
 
 
 def page_aligned_empty(nbytes: int) -> np.ndarray:
@@ -94,8 +172,7 @@ class CudaHostPinner:
                 log.warning("CUDA refused to register read-only host memory (error %d): shared-memory records "
                             "are copied to the device from pageable memory", rc)
             return self._failed()
-        finalizer = weakref.finalize(array, self._unpin, ptr)
-        finalizer.atexit = False  # at exit the driver releases everything itself
+        when_freed(array, lambda: self._unpin(ptr))
         with self._lock:
             self._stats["pinned"] += 1
             self._stats["pinned_bytes"] += size

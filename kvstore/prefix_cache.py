@@ -156,7 +156,7 @@ class _Staged:
 
 def _verifiers() -> ThreadPoolExecutor:
     """Threads that verify records for ``load_staged``: a task may wait for a digest a store is
-    computing on ``kvstore.buffers.workers()``, so it runs on a pool of its own (never
+    computing on ``kvstore.buffers.hashers()``, so it runs on a pool of its own (never
     waiting on its own pool's tasks)."""
     return thread_pool("verify")
 
@@ -692,5 +692,5 @@ class PrefixCache:
 
 def _verify_digest(lease: Lease, checked: CheckedRecord, auth: TagKeys | None) -> None:
     """``verify_record`` of a staged lease, with the digest its store computed (read here: it
-    may still be hashing on ``workers()``), or hashing it here."""
+    may still be hashing on ``hashers()``), or hashing it here."""
     verify_record(lease.view, checked, auth=auth, digest=lease.digest)

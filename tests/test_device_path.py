@@ -37,7 +37,8 @@ from kvstore.prefix_cache import PrefixCache
 from kvstore.record import RecordAuth
 from kvstore.stores import open_store
 from kvstore.testing.damage import flip_byte
-from kvstore.testing.pinner import CountingPinner
+from kvstore.pinned import flush_unpins
+from kvstore.testing.pinner import CountingPinner, SlowPinner
 
 B, N, H, D, L = 40, 16, 4, 64, 2  # blocks, block size, KV heads, head size, layers
 CHUNK = 32  # tokens: 2 blocks, a 128 KiB record
@@ -241,9 +242,99 @@ def test_shm_mappings_are_registered_once_and_unregistered_when_gone(shm_url):
         keys = loader.keys(TOKEN_IDS)
         store.delete(keys[0].key)
         gc.collect()
-        assert pinner.stats()["unpinned"] == 1  # dropped from the mapping cache: the registration ends
+        assert flush_unpins() and pinner.stats()["unpinned"] == 1  # dropped from the mapping cache: it ends
     gc.collect()
-    assert pinner.stats()["unpinned"] == 6
+    assert flush_unpins() and pinner.stats()["unpinned"] == 6
+
+
+def test_cold_shm_mappings_are_registered_ahead_on_threads_of_their_own(shm_url):
+    """Registering a mapping is a driver call (about 1 ms per 33 MB): a cold load's are made on
+    the register pool, several at once, never on the loading thread, and every record is still
+    DMA'd from registered memory."""
+    pinner = SlowPinner(pin_s=0.1)
+    with open_store(shm_url) as store:
+        src = _caches(14)
+        _transfer(store, src).save_sequence(TOKEN_IDS, _slots(SRC_BLOCKS))
+        dst = [torch.zeros_like(c) for c in src]
+        loader = _transfer(store, dst, pinner=pinner)
+        assert loader.load_sequence(TOKEN_IDS, _slots(DST_BLOCKS))[0] == TOKENS
+        assert all(_loaded_blocks(src, dst, 6))
+        assert dict(loader.copies.stats) == {("load", "pinned"): 6}
+        assert {name.rsplit("_", 1)[0] for name, _, _ in pinner.pins} == {"kvstore-register"}
+        assert len(pinner.pins) == 6 and pinner.most_at_once() >= 2
+
+
+def test_a_reader_that_meets_a_registration_in_flight_waits_for_it(shm_url):
+    """Two readers load the same cold prefix at once: each mapping is registered once, and the
+    reader that finds another's registration running waits for it instead of DMA-ing from
+    pageable memory."""
+    pinner = SlowPinner(pin_s=0.2)
+    with open_store(shm_url) as store:
+        src = _caches(15)
+        _transfer(store, src).save_sequence(TOKEN_IDS, _slots(SRC_BLOCKS))
+        loaders = [_transfer(store, [torch.zeros_like(c) for c in src], pinner=pinner) for _ in range(2)]
+        got: list[int] = []
+        threads = [threading.Thread(target=lambda t=t: got.append(t.load_sequence(TOKEN_IDS, _slots(DST_BLOCKS))[0]))
+                   for t in loaders]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert got == [TOKENS, TOKENS]
+        assert [dict(t.copies.stats) for t in loaders] == [{("load", "pinned"): 6}] * 2
+        assert len(pinner.pins) == 6  # once each
+
+
+def test_a_dropped_mapping_ends_its_registration_off_the_thread_that_dropped_it(shm_url):
+    pinner = SlowPinner(unpin_s=0.5)
+    with open_store(shm_url) as store:
+        src = _caches(16)
+        _transfer(store, src).save_sequence(TOKEN_IDS, _slots(SRC_BLOCKS))
+        loader = _transfer(store, [torch.zeros_like(c) for c in src], pinner=pinner)
+        assert loader.load_sequence(TOKEN_IDS, _slots(DST_BLOCKS))[0] == TOKENS
+        start = time.perf_counter()
+        store.delete(loader.keys(TOKEN_IDS)[0].key)  # the mapping leaves the cache: its last reference
+        gc.collect()
+        assert time.perf_counter() - start < 0.3
+        assert flush_unpins() and [name for name, _, _ in pinner.unpins] == ["kvstore-unpin"]
+
+
+def test_a_load_from_memory_verifies_its_bytes_once_not_per_load(monkeypatch):
+    """memory:// keeps the checksum a record's seal computed as the record was copied in (or
+    hashes a value put otherwise for its first reader): later loads compare digests and hash
+    nothing, yet a damaged record still fails."""
+    import kvstore.buffers as buffers
+    import kvstore.record.decode as decode
+
+    hashed: list[int] = []
+    real = buffers.xxh3_digest
+
+    def counting(data):
+        hashed.append(memoryview(data).nbytes)
+        return real(data)
+
+    monkeypatch.setattr(buffers, "xxh3_digest", counting)
+    monkeypatch.setattr(decode, "xxh3_digest", counting)
+    record = CHUNK * L * 2 * H * D * 2
+    with open_store("memory://?max_bytes=64MiB") as store:
+        src = _caches(17)
+        _transfer(store, src, pinner=CountingPinner()).save_sequence(TOKEN_IDS, _slots(SRC_BLOCKS))
+        loader = _transfer(store, [torch.zeros_like(c) for c in src], pinner=CountingPinner())
+        hashed.clear()
+        for _ in range(2):
+            assert loader.load_sequence(TOKEN_IDS, _slots(DST_BLOCKS))[0] == TOKENS
+        assert not [n for n in hashed if n >= record]  # the seal's checksums, kept at the put
+        keys = loader.keys(TOKEN_IDS)
+        value = bytes(store.get(keys[1].key))
+        store.put(keys[1].key, value)  # put as plain bytes: no seal, hashed for its first reader only
+        hashed.clear()
+        for _ in range(3):
+            assert loader.load_sequence(TOKEN_IDS, _slots(DST_BLOCKS))[0] == TOKENS
+        assert len([n for n in hashed if n >= record]) == 1
+        damaged = bytearray(value)
+        damaged[-5000] ^= 1
+        store.put(keys[1].key, bytes(damaged))
+        assert loader.load_sequence(TOKEN_IDS, _slots(DST_BLOCKS))[0] == CHUNK
 
 
 def test_the_memory_arena_keeps_a_readers_value_until_it_is_released():

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import xxhash
-
-from kvstore.buffers import byte_view, copy_bytes
+from kvstore.buffers import byte_view, copy_bytes, xxh3_digest
 from kvstore.errors import CorruptRecordError
 from kvstore.keys import ChunkKey, Namespace, TokenIds
 from kvstore.record import codecs
@@ -40,7 +38,7 @@ def verify_record(data: Buffer, checked: CheckedRecord, *, auth: TagKeys | None 
     else:
         checked_bytes, signed = view[:len(view) - CHECKSUM_BYTES], (view[:payload_at + header.payload_len],)
     if header.version == 1 or digest is None:
-        digest = xxhash.xxh3_64_digest(checked_bytes)
+        digest = xxh3_digest(checked_bytes)
     if digest != header.checksum:
         raise CorruptRecordError("record checksum mismatch", "checksum")
     if auth is not None:

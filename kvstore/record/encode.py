@@ -159,6 +159,7 @@ class _RecordSeal:
     record the tag, then the checksum, each over every byte before it."""
 
     first = 0  # the frame and header are covered too
+    self_check = True  # the checksum ends the trailer: the xxh3-64 of every byte before it (Pieces.digest)
 
     def __init__(self, signer: Any | None) -> None:
         self._signer = signer  # a fresh keyed hasher: each pass continues a copy

@@ -10,6 +10,13 @@ capacity, reused as values are evicted: no page faults, no registration per valu
 where the store keeps it. Such a value is reference-counted: its buffer is reused only once the
 store dropped it and every reader released its lease; ``get`` returns a copy of it. ``put_many``
 copies large values on ``kvstore.buffers.workers()``, several at once.
+
+A value of 64 KiB or more is hashed at most once while it is kept (``Lease.digest``: the xxh3-64 of
+every byte but its last 8, which a reader compares with a record's checksum instead of hashing the
+record): a record put as it was sealed keeps the checksum its seal computed from the bytes copied
+(``Pieces.digest``), any other value is hashed for its first reader (on ``kvstore.buffers.hashers()``,
+its digest pending in the lease) and never again. The store's copy is immutable and private to the
+process, so a digest of it stays true: a load from memory verifies its bytes once, not per load.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvstore.buffers import BufferPool, Lease, Pieces, borrow, copy_bytes, workers
+from kvstore.buffers import BufferPool, Lease, Pieces, borrow, copy_bytes, hashers, self_digest, workers
 from kvstore.config import build, option, query_options
 from kvstore.errors import ConfigError
 from kvstore.metrics.catalog import EVICTIONS
@@ -51,26 +58,33 @@ def _write(view: memoryview, value: WriteValue) -> None:
 
 
 def _own(value: WriteValue, arena: BufferPool | None) -> _Held:
-    """An immutable private copy of ``value``: ``bytes``; for large values a read-only view of a
-    numpy buffer (its huge pages fault in several times faster than a fresh ``bytes``), or a
-    lease of ``arena`` when it has room."""
+    """An immutable private copy of ``value``: ``bytes`` below 64 KiB; above, a lease of ``arena``
+    when it has room, else a borrowed lease of ``bytes`` or, from 1 MiB, of a read-only numpy
+    buffer (its huge pages fault in several times faster than a fresh ``bytes``). A lease carries
+    the digest its seal computed, if any (``Pieces.digest``)."""
     n = _size(value)
     lease = arena.lease(n) if arena is not None and n >= _ARENA_MIN else None
-    if lease is None and isinstance(value, bytes):
-        return value
     if lease is None and n < _HUGE:
-        return value.tobytes() if isinstance(value, Pieces) else bytes(value)
-    if lease is not None:
+        kept = value if isinstance(value, bytes) else value.tobytes() if isinstance(value, Pieces) else bytes(value)
+        if n < _ARENA_MIN:
+            return kept
+        lease = borrow(kept)
+    elif lease is None and isinstance(value, bytes):
+        lease = borrow(value)
+    elif lease is not None:
         try:
             _write(lease.view, value)
         except BaseException:
             lease.release()
             raise
-        return lease
-    arr = np.empty(n, dtype=np.uint8)
-    _write(array_view(arr), value)
-    arr.flags.writeable = False
-    return array_view(arr)
+    else:
+        arr = np.empty(n, dtype=np.uint8)
+        _write(array_view(arr), value)
+        arr.flags.writeable = False
+        lease = borrow(array_view(arr))
+    if isinstance(value, Pieces):
+        lease.digest = value.digest  # the bytes just copied, as the seal hashed them
+    return lease
 
 
 @dataclass(frozen=True)
@@ -119,6 +133,8 @@ class MemoryStore(Evicting, Store):
             self._data.move_to_end(key)
             if not isinstance(value, Lease):
                 return value
+            if not value.pooled:
+                return value.view  # read-only, the store's own: no copy
             value.retain()
         try:
             return bytes(value.view)  # the arena reuses the buffer once the store drops it
@@ -127,7 +143,8 @@ class MemoryStore(Evicting, Store):
 
     def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Each value as a lease of the memory it is kept in (borrowed, or the arena's, retained
-        for the reader: the buffer outlives an eviction until the reader releases it)."""
+        for the reader: the buffer outlives an eviction until the reader releases it), with its
+        digest, known or being computed (module docstring)."""
         for key in keys:
             with self._lock:
                 value = self._data.get(key)
@@ -135,6 +152,8 @@ class MemoryStore(Evicting, Store):
                     self._data.move_to_end(key)
                     if isinstance(value, Lease):
                         value.retain()
+                        if not value.digesting:  # its first reader: hashed once, for every reader after
+                            value.hash_later(hashers().submit(self_digest, value.view))
             yield None if value is None else value if isinstance(value, Lease) else borrow(value)
 
     def exists(self, key: str) -> bool:

@@ -20,7 +20,15 @@ Contract, beyond ``Store``'s:
   (never a stale value). Smaller values are read into ``get_into``'s pool leases (one ``preadv``).
   After ``pin_host_memory`` every mapping is registered with the accelerator once, when it is
   first used (its registration ends when the last view of it goes), and its leases say
-  ``pinned``: a GPU reader DMAs a verified record straight from the mapping.
+  ``pinned``: a GPU reader DMAs a verified record straight from the mapping. Registrations are
+  driver calls (about 1 ms per 33 MB): ``get_into`` starts those of the values ahead of the
+  reader on threads of their own, several at once, and a reader that meets a registration in
+  flight (another reader's) waits for it rather than copying from pageable memory.
+* **Trust.** A record is hashed where it lies, in a shared mapping, and then DMA'd or copied
+  from there: a process that can write the tier's files (``root``/kvstore-NAME) could rewrite
+  a record in place between its verification and its use, past ``auth``'s tag. The tier trusts
+  every process that can write its directory (run its engines under one user, with a private
+  directory: ``umask 077``); ``auth`` guards what comes through the store, not the files.
 * **Writes in parallel.** ``put_many`` writes large values on ``kvstore.buffers.workers()``, each
   file by one thread (its checksum computed as its bytes go out), so a prefix's records go to
   the tmpfs at the speed of several cores, not one.
@@ -37,6 +45,7 @@ Contract, beyond ``Store``'s:
 from __future__ import annotations
 
 import fcntl
+import logging
 import mmap
 import os
 import re
@@ -45,6 +54,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +62,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from kvstore.buffers import BufferPool, Lease, borrow, self_digest, workers
+from kvstore.buffers import BufferPool, Lease, borrow, hashers, self_digest, thread_pool
 from kvstore.config import build, check_options, option, query_options
 from kvstore.errors import ConfigError, StoreUnavailableError
 from kvstore.pinned import HostPinner
@@ -62,8 +72,11 @@ from kvstore.types import array_view
 
 __all__ = ["ShmConfig", "ShmStore"]
 
+log = logging.getLogger(__name__)
+
 _NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}$", re.ASCII)
 _ORPHAN_SECONDS = 60.0  # a writer directory without its lock file (a reaper that died) is removed after this
+_AHEAD = 8  # mapped values get_into prepares ahead of its reader (their registrations and hashes started)
 
 
 @dataclass(frozen=True)
@@ -280,47 +293,52 @@ class ShmStore(FileStore):
         """Each value as a borrowed view of its mapping (``map_bytes`` or more), or read into a
         lease of ``pool`` (a borrowed copy when the pool has no room).
 
-        A mapped value is hashed on ``kvstore.buffers.workers()`` from the time the caller asks
-        for the value before it, and yielded at once with its digest pending
-        (``Lease.hash_later``): a caller verifying value i reads its digest while value i+1 is
-        hashed (xxh3 releases the GIL), and one that moves values to a device starts each DMA
-        while it is hashed. A record file is never written after its rename, so the bytes
-        hashed are the bytes placed."""
-        ahead: deque[Lease | None] = deque()
+        Mapped values are prepared up to ``_AHEAD`` ahead of the caller: each is hashed on
+        ``kvstore.buffers.hashers()`` and yielded with its digest pending (``Lease.hash_later``),
+        so a caller verifying value i reads its digest while later ones are hashed (xxh3 releases
+        the GIL) and one that moves values to a device starts each DMA while it is hashed; and
+        a mapping not yet registered with the accelerator is registered on threads of its own,
+        several at once, each lease yielded once its registration is known (``Lease.pinned``).
+        Values read into the pool stay one ahead. A record file is never written after its
+        rename, so the bytes hashed are the bytes placed."""
+        ahead: deque[_Pending] = deque()
         try:
             for key in keys:
-                lease = self._lease(key, pool)
-                if lease is not None and not lease.digesting and len(lease.view) >= self.shm.map_bytes:
-                    lease.hash_later(workers().submit(self_digest, lease.view))
-                ahead.append(lease)
-                if len(ahead) > 1:
-                    yield ahead.popleft()
+                ahead.append(self._pending(key, pool))
+                while len(ahead) > _AHEAD or (len(ahead) > 1 and ahead[0].ready()):
+                    yield ahead.popleft().lease()
             while ahead:
-                yield ahead.popleft()
+                yield ahead.popleft().lease()
         finally:
-            for lease in ahead:  # the caller stopped early
-                if lease is not None:
-                    lease.release()
+            for pending in ahead:  # the caller stopped early
+                pending.release()
 
-    def _lease(self, key: str, pool: BufferPool) -> Lease | None:
+    def _pending(self, key: str, pool: BufferPool) -> _Pending:
+        """``key``'s value on its way to a reader: read into a lease, or a mapping (hashed, and
+        registered, on other threads)."""
         path = self._file(key)
         try:
             found = self._mapping(key, path)
             if found is None or isinstance(found, _Mapped):
-                return None if found is None else borrow(found.view, pinned=found.pinned)
+                if found is None:
+                    return _Pending(None)
+                mapped = borrow(found.view)
+                if len(mapped.view) >= self.shm.map_bytes:
+                    mapped.hash_later(hashers().submit(self_digest, mapped.view))
+                return _Pending(mapped, self._maps.register(found))
             try:
                 size = os.fstat(found).st_size
                 lease = pool.lease(size) if size else None
                 if lease is None:
                     out = bytearray(size)
                     self._read(found, memoryview(out))
-                    return borrow(bytes(out))
+                    return _Pending(borrow(bytes(out)))
                 try:
                     self._read(found, lease.view)
                 except BaseException:
                     lease.release()
                     raise
-                return lease
+                return _Pending(lease)
             finally:
                 os.close(found)
         except OSError as exc:
@@ -353,15 +371,47 @@ class ShmStore(FileStore):
 
 @dataclass
 class _Mapped:
-    """One mapping of a record file: its array (the mapping's one owner), a view of it, and
-    whether it is registered with an accelerator (until the array goes)."""
+    """One mapping of a record file: its array (the mapping's one owner), a view of it, and its
+    registration with an accelerator (started once; it lasts until the array goes)."""
 
     dev: int
     ino: int
     array: np.ndarray
     view: memoryview
-    pinned: bool = False
-    pin_tried: bool = False
+    registration: Future[bool] | None = None
+
+
+class _Pending:
+    """A value ``get_into`` prepared for its reader: a lease, or None for a miss; for a mapping,
+    its registration (None: no pinner)."""
+
+    __slots__ = ("_lease", "_registration")
+
+    def __init__(self, lease: Lease | None, registration: Future[bool] | None = None) -> None:
+        self._lease, self._registration = lease, registration
+
+    def ready(self) -> bool:
+        """Whether ``lease`` would not wait for a registration."""
+        return self._registration is None or self._registration.done()
+
+    def lease(self) -> Lease | None:
+        """The lease, ``pinned`` once its mapping's registration is known (waits for it)."""
+        lease = self._lease
+        if lease is not None and self._registration is not None:
+            lease.pinned = _registered(self._registration)
+        return lease
+
+    def release(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+
+
+def _registered(registration: Future[bool]) -> bool:
+    try:
+        return registration.result()
+    except Exception:  # a registration that failed: the mapping is read as pageable memory
+        log.warning("registering a shared-memory mapping with the accelerator failed", exc_info=True)
+        return False
 
 
 class _Mappings:
@@ -369,7 +419,10 @@ class _Mappings:
 
     An entry is valid while the key's file is the one mapped: the same ``(st_dev, st_ino)``. A
     mapping keeps its file's inode alive, so no other file can take that inode number meanwhile.
-    With a ``pinner`` each mapping handed out is registered once (on its first use since).
+    With a ``pinner`` each mapping is registered once (``register``: on the ``register`` thread
+    pool, started by its first reader since there is one; later readers wait for the same call).
+    Mappings dropped from the cache are let go outside the lock (their registration ends on the
+    unpin thread, ``kvstore.pinned``).
     """
 
     def __init__(self, max_bytes: int) -> None:
@@ -385,41 +438,49 @@ class _Mappings:
             if entry is None or entry.dev != dev or entry.ino != ino:
                 return None
             self._maps.move_to_end(key)
-        return self._pinned(entry)
+        return entry
 
     def keep(self, key: str, dev: int, ino: int, array: np.ndarray) -> _Mapped:
         """A new mapping of ``key``'s file (``array``), cached if it fits."""
         entry = _Mapped(dev, ino, array, array_view(array))
+        dropped: list[_Mapped] = []
         with self._lock:
-            self._pop(key)
+            self._pop(key, dropped)
             if len(entry.view) <= self._max:
                 self._maps[key] = entry
                 self._bytes += len(entry.view)
                 while self._bytes > self._max:
-                    self._bytes -= len(self._maps.popitem(last=False)[1].view)
-        return self._pinned(entry)
-
-    def _pinned(self, entry: _Mapped) -> _Mapped:
-        """``entry``, registered with the pinner on its first use since there is one."""
-        pinner = self.pinner
-        if pinner is not None and not entry.pin_tried:
-            with self._lock:
-                if entry.pin_tried:
-                    return entry
-                entry.pin_tried = True
-            entry.pinned = pinner.pin(entry.array, read_only=True)
+                    old = self._maps.popitem(last=False)[1]
+                    self._bytes -= len(old.view)
+                    dropped.append(old)
+        del dropped  # let go here, not under the lock
         return entry
 
-    def drop(self, key: str) -> None:
+    def register(self, entry: _Mapped) -> Future[bool] | None:
+        """``entry``'s registration with the pinner (started now if it was not: on the register
+        pool), or None without a pinner."""
+        pinner = self.pinner
+        if pinner is None:
+            return None
         with self._lock:
-            self._pop(key)
+            if entry.registration is None:
+                entry.registration = thread_pool("register").submit(pinner.pin, entry.array, read_only=True)
+            return entry.registration
 
-    def _pop(self, key: str) -> None:
+    def drop(self, key: str) -> None:
+        dropped: list[_Mapped] = []
+        with self._lock:
+            self._pop(key, dropped)
+        del dropped
+
+    def _pop(self, key: str, dropped: list[_Mapped]) -> None:
         old = self._maps.pop(key, None)
         if old is not None:
             self._bytes -= len(old.view)
+            dropped.append(old)
 
     def clear(self) -> None:
         with self._lock:
-            self._maps.clear()
+            dropped, self._maps = self._maps, OrderedDict()
             self._bytes = 0
+        del dropped
