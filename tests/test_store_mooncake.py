@@ -330,7 +330,7 @@ def test_the_segment_owner_killed_its_objects_are_misses_that_heal(mooncake_mast
         wipe(store)
 
 
-def test_objects_evicted_once_their_leases_expire_are_misses(mooncake_master_factory):
+def test_objects_evicted_or_read_past_their_leases_are_misses(mooncake_master_factory):
     master = mooncake_master_factory(lease_ttl="50ms")
     master.owner("32MB")
     store = fresh(master)
@@ -342,9 +342,10 @@ def test_objects_evicted_once_their_leases_expire_are_misses(mooncake_master_fac
             time.sleep(0.06)  # their leases expire: evictable
         present = store.exists_many(keys)
         assert not all(present) and any(present), present
+        # Which ones went is Mooncake's choice; and a read slower than the 50 ms lease it is granted
+        # (a loaded machine) is refused whole (LEASE_EXPIRED): misses, never an error, never wrong bytes.
         got = store.get_many(keys)
         assert all(v is None or bytes(v) == value for v in got)
-        assert got[0] is None and got[-1] is not None  # the oldest went, the newest stayed
         pool = BufferPool(64 << 20)
         for lease in store.get_into(keys, pool):  # sizes asked before: some may go in between, still misses
             if lease is not None:
