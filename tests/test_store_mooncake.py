@@ -236,11 +236,13 @@ def test_tiered_memory_mooncake_file(mooncake_master, tmp_path):
 
 # -- faults -----------------------------------------------------------------------------------------------
 def test_a_call_to_a_frozen_master_ends_at_its_deadline(mooncake_master_factory):
-    master = mooncake_master_factory()
+    # client_ttl: a freeze longer than it (a loaded machine) would make the thawed master drop
+    # the owner's segment, and "k" with it: the tier is back, empty (test_master_killed...'s case).
+    master = mooncake_master_factory(client_ttl=60)
     master.owner("64MB")
-    store = fresh(master, deadline="300ms")
+    store = settled(fresh(master, deadline="1s"))
     try:
-        store.put("k", b"v")
+        assert wait_for(lambda: _answers(store.put, "k", b"v") is None)
         freeze(master.pid)
         try:
             for call in (lambda: store.get("k"), lambda: store.exists("k"), lambda: store.put("k2", b"v")):
@@ -253,6 +255,20 @@ def test_a_call_to_a_frozen_master_ends_at_its_deadline(mooncake_master_factory)
         assert wait_for(lambda: _answers(store.get, "k") == b"v")
     finally:
         store.close()
+
+
+def settled(store: MooncakeStore) -> MooncakeStore:
+    """``store`` once its client is set up and answers (a loaded machine may take longer than a
+    short deadline for the first call)."""
+    def answers() -> bool:
+        try:
+            store.exists("settle")
+        except StoreUnavailableError:
+            return False
+        return True
+
+    assert wait_for(answers)
+    return store
 
 
 def _answers(fn, *args):
@@ -360,10 +376,11 @@ def test_a_late_read_keeps_its_leases_until_it_ends(mooncake_master_factory):
     pool only once the call has ended: nothing ever writes into a buffer someone else holds."""
     master = mooncake_master_factory()
     master.owner("64MB")
-    store = fresh(master, deadline="300ms")
+    store = settled(fresh(master, deadline="1s"))
     pool = BufferPool(16 << 20)
     try:
-        store.put_many([(f"k{i}", os.urandom(1 << 20)) for i in range(4)])
+        items = [(f"k{i}", os.urandom(1 << 20)) for i in range(4)]
+        assert wait_for(lambda: _answers(store.put_many, items) is None)
         stream = store.get_into([f"k{i}" for i in range(4)], pool)
         sizes_asked = threading.Event()
         original = store._sizes
