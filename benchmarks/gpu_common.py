@@ -10,15 +10,18 @@ Runs on the CPU too (``--device cpu``, scaled down), where the transfers take th
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import statistics
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,6 +86,8 @@ class Prefix:
         self.dst_blocks = rng.permutation(blocks)[:tokens // BLOCK].tolist()
         self.src_slots = slots_from_block_table(self.src_blocks, BLOCK, tokens, device=device)
         self.dst_slots = slots_from_block_table(self.dst_blocks, BLOCK, tokens, device=device)
+        #: The same slots on the host, as vLLM's connector passes them (its block tables are host lists).
+        self.dst_slots_host = slots_from_block_table(self.dst_blocks, BLOCK, tokens)
         self.nbytes = tokens * layers * 2 * KV_HEADS * HEAD * 2
 
     def namespace(self, model: str = "bench-gpu") -> Namespace:
@@ -99,6 +104,26 @@ class Prefix:
     def clear(self) -> None:
         for d in self.dst:
             d.zero_()
+
+
+class Busy:
+    """About ``ms`` milliseconds of matmuls queued on the calling thread's current stream (a
+    forward the engine has launched); calibrated once. Synchronous on the CPU."""
+
+    def __init__(self, device: torch.device, ms: float) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self.a = torch.randn(*(2 * (2048 if cuda else 256,)), device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+        self.n = 1
+        one = timed(self.queue, 3, device)
+        self.n = max(1, int(ms / 1e3 / max(med(one), 1e-6)))
+        self.seconds = timed(self.queue, 3, device)
+
+    def queue(self) -> None:
+        x = self.a
+        for _ in range(self.n):
+            x = self.a @ x  # each waits for the last: one long forward
+        self.out = x
 
 
 def have_redis() -> bool:
@@ -126,16 +151,83 @@ def shards_url(started: Sequence) -> str:
     return "redis+shards://" + ",".join(f"127.0.0.1:{s.port}" for s in started)
 
 
+def memory_root(needed: int) -> tuple[str, str]:
+    """A directory with ``needed`` bytes free for an ``shm://`` tier: /dev/shm where it has room
+    (a container's default is 64 MB), else another tmpfs, else the system's temporary directory
+    (its pages stay cached once written); and a note saying which, when not /dev/shm."""
+    from kvstore.testing.shm import memory_root as find
+
+    return find(needed)
+
+
 @contextmanager
 def shm_store(tag: str, max_bytes: int) -> Iterator[tuple[Store, str]]:
+    """An ``shm://`` tier of ``max_bytes`` under ``memory_root``'s directory (its note printed
+    once, when not /dev/shm), removed afterwards."""
+    root, note = memory_root(max_bytes)
+    if note:
+        print(f"note: {note}", flush=True)
     name = f"bench-{tag}-{os.getpid()}"
-    url = f"shm://{name}?max_bytes={max_bytes}"
+    url = f"shm://{name}?max_bytes={max_bytes}&root={root}"
     store = open_store(url)
     try:
         yield store, url
     finally:
         store.close()
-        shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True)
+        shutil.rmtree(os.path.join(root, f"kvstore-{name}"), ignore_errors=True)
+
+
+class Rows:
+    """A benchmark's table, printed and written as it grows: each row is printed (and flushed)
+    the moment it is measured and the JSON file (``path``) rewritten, so that a row that fails,
+    or a run cut short, loses no row before it. ``run(label, fn)`` turns a failure into a
+    note row (the exception's type and message) and goes on."""
+
+    def __init__(self, nbytes: int, path: str | None, meta: dict[str, Any]) -> None:
+        self.nbytes = nbytes
+        self.path = path
+        self.meta = meta
+        self.rows: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self._header = False
+
+    def _print_header(self) -> None:
+        if not self._header:
+            print("\n| path | s | GB/s | x baseline (same run) |\n|---|---|---|---|", flush=True)
+            self._header = True
+
+    def add(self, label: str, seconds: Sequence[float], baseline: str = "", baseline_seconds: Sequence[float] = (),
+            nbytes: int | None = None, **extra: Any) -> None:
+        """A row of ``seconds`` (sorted), GB/s of ``nbytes`` (default: the table's), and its
+        ratio to a baseline of the same run (its rate over the baseline's)."""
+        self._print_header()
+        n = self.nbytes if nbytes is None else nbytes
+        ratio = f"{med(baseline_seconds) / med(seconds):.2f}x {baseline}" if baseline_seconds else "-"
+        rate = f"{n / med(seconds) / 1e9:.2f}" if n else "-"
+        print(f"| {label} | {span(seconds)} | {rate} | {ratio} |", flush=True)
+        self.rows.append({"path": label, "seconds": list(seconds), "nbytes": n, "baseline": baseline,
+                          "baseline_seconds": list(baseline_seconds), **extra})
+        self.write()
+
+    def note(self, text: str) -> None:
+        self._print_header()
+        print(f"| {text} | - | - | - |", flush=True)
+        self.notes.append(text)
+        self.write()
+
+    def run(self, label: str, fn: Callable[[], object]) -> bool:
+        """``fn()`` (which adds rows), its failure a note; whether it succeeded."""
+        try:
+            fn()
+            return True
+        except Exception as exc:
+            self.note(f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            traceback.print_exc(file=sys.stderr)
+            return False
+
+    def write(self) -> None:
+        if self.path:
+            Path(self.path).write_text(json.dumps({**self.meta, "rows": self.rows, "notes": self.notes}, indent=1))
 
 
 def raw_redis_load(started: Sequence, store: Store, keys: Sequence[str], sizes: Sequence[int],

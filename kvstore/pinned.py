@@ -43,6 +43,7 @@ _PAGE = mmap.PAGESIZE
 # cudaHostRegister flags (CUDA runtime API): every context may use the memory; the device only reads it.
 _PORTABLE, _READ_ONLY = 0x01, 0x08
 _NOT_SUPPORTED = 801  # cudaErrorNotSupported: the device cannot register read-only memory
+_ATTR_READ_ONLY_SUPPORTED = 113  # cudaDevAttrHostRegisterReadOnlySupported
 
 
 class HostPinner(Protocol):
@@ -195,6 +196,18 @@ class CudaHostPinner:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return dict(self._stats)
+
+    def read_only_supported(self) -> bool | None:
+        """The device's ``cudaDevAttrHostRegisterReadOnlySupported``: whether a mapping without
+        write access (a ``shm://`` record) can be registered; None where it cannot be read."""
+        get = getattr(self._rt, "cudaDeviceGetAttribute", None)
+        if get is None:
+            return None
+        value = ctypes.c_int()
+        if get(ctypes.byref(value), _ATTR_READ_ONLY_SUPPORTED, self.device):
+            self._rt.cudaGetLastError()
+            return None
+        return bool(value.value)
 
 
 _pinners: dict[int, CudaHostPinner | None] = {}

@@ -33,11 +33,11 @@ import kvstore.prefix_cache as prefix_cache
 from kvstore.keys import Namespace
 from kvstore.metrics.catalog import CORRUPT, DEVICE_COPIES
 from kvstore.paged import FlashLayout, KVTransfer, dtype_name, slots_from_block_table
+from kvstore.pinned import flush_unpins
 from kvstore.prefix_cache import PrefixCache
 from kvstore.record import RecordAuth
 from kvstore.stores import open_store
 from kvstore.testing.damage import flip_byte
-from kvstore.pinned import flush_unpins
 from kvstore.testing.pinner import CountingPinner, SlowPinner
 
 B, N, H, D, L = 40, 16, 4, 64, 2  # blocks, block size, KV heads, head size, layers

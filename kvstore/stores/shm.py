@@ -441,10 +441,15 @@ class _Mappings:
         return entry
 
     def keep(self, key: str, dev: int, ino: int, array: np.ndarray) -> _Mapped:
-        """A new mapping of ``key``'s file (``array``), cached if it fits."""
+        """A new mapping of ``key``'s file (``array``), cached if it fits; the one another reader
+        cached meanwhile, if it maps the same file (one mapping, one registration)."""
         entry = _Mapped(dev, ino, array, array_view(array))
         dropped: list[_Mapped] = []
         with self._lock:
+            found = self._maps.get(key)
+            if found is not None and found.dev == dev and found.ino == ino:
+                self._maps.move_to_end(key)
+                return found
             self._pop(key, dropped)
             if len(entry.view) <= self._max:
                 self._maps[key] = entry
