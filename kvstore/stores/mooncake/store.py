@@ -2,7 +2,7 @@
 ``config``; the client: ``client``; registered memory: ``memory``).
 
 Each key is one object, named ``prefix + key``. Bytes move only through the client's zero-copy
-batch calls, between the pool's segments and registered memory of this process:
+batch calls, between the pool's segments and buffers of this process:
 
 * a load (``get_into``) asks the master for the values' sizes (one call), leases a buffer of the
   reader's pool for each, and receives them with one ``batch_get_into`` per window of ``window``
@@ -12,8 +12,8 @@ batch calls, between the pool's segments and registered memory of this process:
 * a write (``put_many``) is one ``batch_upsert_from`` (an upsert: a value replaces the one
   before; a plain put keeps the old one) from where each value lies: a ``bytes``, an array, a
   one-piece ``Pieces``. A value in several pieces (a record's header, payload and trailer) is
-  gathered into a registered buffer of the store's own first (``staging``): the transfer engine
-  takes one buffer per object for an upsert.
+  gathered into a buffer of the store's own first (``staging``; its trailer computed as it is
+  copied): the client upserts an object from one buffer only.
 
 Over RDMA the NIC reads and writes only registered memory: pool buffers are registered the first
 time a value lands in them or leaves from them, for as long as they live (``memory``), and memory
@@ -32,7 +32,8 @@ owned ``Pieces``) returns only when it ends (the client's RPC timeout bounds it)
 
 Mooncake stores no empty object: an empty value is a one-byte object under ``name + "\\0"``
 (keys hold no NUL). A non-empty value takes precedence over it, so writing one costs no second
-call; writing an empty value removes the non-empty one.
+call; writing an empty value removes the non-empty one. (So a key written empty, then not, reads
+as empty again should the pool evict its value: kvstore's records are never empty.)
 
 ``iter_keys`` (tools only) reads the master's admin server (``admin``): the client has no listing.
 """
