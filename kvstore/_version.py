@@ -3,4 +3,4 @@
 __version__ = "0.2.0.dev0"
 
 #: Version of the key scheme and record format. Bump it for any change that alters keys or bytes.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3

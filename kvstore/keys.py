@@ -29,8 +29,17 @@ Chunks that overlap no span hash exactly as above, so a text prefix before the f
 (a system prompt) is shared with text-only prompts, and a chunk after an image differs from the
 text-only chunk through the chain.
 
-Key grammar: ``kvs<format version>/<namespace id: 16 hex>/<prefix digest: 32 hex>``
-(``split_key``, ``namespace_prefix``); tools group and remove records by its first two parts.
+**Head ranges.** A record of attention KV holds a contiguous range of KV heads ``[a, b)`` out of
+the model's ``H`` (``HeadRange``): the writer's tensor-parallel rank holds those heads, and any
+reader whose heads overlap them can use the record, whatever its own TP size. The chain above is
+the same for every range (it names the prefix); the range is a suffix of the key, so an engine
+hashes a prompt once and names the records of every range from it (``ChunkKey.with_heads``).
+Records that are not cut by head (recurrent state, MLA's latent, the V0 agent's caches) have no
+suffix.
+
+Key grammar: ``kvs<format version>/<namespace id: 16 hex>/<prefix digest: 32 hex>``, then
+``/h<a>-<b>of<H>`` for a head range (``split_key``, ``key_heads``, ``namespace_prefix``); tools
+group and remove records by its first two parts.
 """
 
 from __future__ import annotations
@@ -49,15 +58,18 @@ from kvstore._version import FORMAT_VERSION
 from kvstore.errors import ConfigError
 from kvstore.types import array_view
 
-__all__ = ["FORMAT_VERSION", "KEY_STEM", "KEY_PREFIX", "Namespace", "ChunkKey", "InputSpan", "chunk_keys", "prefix_keys",
-           "tokens_to_array", "check_chunk_tokens", "split_key", "namespace_prefix", "TokenIds"]
+__all__ = ["FORMAT_VERSION", "KEY_STEM", "KEY_PREFIX", "MAX_HEADS", "Namespace", "ChunkKey", "HeadRange", "InputSpan",
+           "chunk_keys", "prefix_keys", "tokens_to_array", "check_chunk_tokens", "split_key", "key_heads",
+           "namespace_prefix", "TokenIds"]
 
 #: Every kvstore key, of any format version, starts with this (tools list all records by it).
 KEY_STEM = "kvs"
 #: Every key of this format version starts with this.
 KEY_PREFIX = f"{KEY_STEM}{FORMAT_VERSION}"
 _DIGEST_BYTES = 16  # 128-bit prefix hashes: collisions are astronomically rare and every hit is verified
-_KEY_RE = re.compile(rf"^{KEY_STEM}(\d+)/([0-9a-f]{{16}})/([0-9a-f]{{32}})$")
+#: The most KV heads a model may have (a record's header and key name them).
+MAX_HEADS = 4096
+_KEY_RE = re.compile(rf"^{KEY_STEM}(\d+)/([0-9a-f]{{16}})/([0-9a-f]{{32}})(?:/h(\d{{1,4}})-(\d{{1,4}})of(\d{{1,4}}))?$")
 _NAMESPACE_RE = re.compile(rf"^(?:{KEY_STEM}(\d+)/)?([0-9a-f]{{16}})/?$")
 
 #: Token ids as callers hold them: a list, a numpy array or a torch tensor (anything ``numpy()``-able).
@@ -79,9 +91,26 @@ def check_chunk_tokens(chunk_tokens: int, block_size: int) -> None:
 
 
 def split_key(key: str) -> tuple[int, str, str] | None:
-    """``(format version, namespace id, prefix digest)`` of a kvstore key, ``None`` for a foreign key."""
+    """``(format version, namespace id, prefix digest)`` of a kvstore key (with or without a head
+    range), ``None`` for a foreign key."""
     m = _KEY_RE.match(key)
-    return None if m is None else (int(m.group(1)), m.group(2), m.group(3))
+    if m is None or (m.group(4) is not None and _head_range(m) is None):
+        return None
+    return int(m.group(1)), m.group(2), m.group(3)
+
+
+def key_heads(key: str) -> HeadRange | None:
+    """The head range a kvstore key names (``None``: none, or not a kvstore key)."""
+    m = _KEY_RE.match(key)
+    return None if m is None or m.group(4) is None else _head_range(m)
+
+
+def _head_range(m: re.Match[str]) -> HeadRange | None:
+    try:
+        heads = HeadRange(int(m.group(4)), int(m.group(5)), int(m.group(6)))
+    except ValueError:
+        return None
+    return heads if heads.suffix == m.group(0)[-len(heads.suffix):] else None  # no leading zeros
 
 
 def namespace_prefix(text: str) -> str:
@@ -109,6 +138,9 @@ class Namespace:
     chunk_tokens: int
     layer_start: int = 0
     layer_end: int = 0
+    #: An opaque shard of a writer's tensor-parallel rank, for records whose bytes cannot be cut
+    #: by KV head (recurrent state, the V0 agent's caches). Attention KV of the vLLM connector
+    #: leaves these at 0 and 1: its records name their heads (``HeadRange``), not their writer.
     tp_rank: int = 0
     tp_size: int = 1
     model_fingerprint: str = ""
@@ -157,6 +189,45 @@ class Namespace:
         return f"{KEY_STEM}{self.format_version}/{self.id}/"
 
 
+@dataclass(frozen=True, order=True)
+class HeadRange:
+    """KV heads ``[start, end)`` out of a model's ``total`` KV heads (per layer): what one record of
+    attention KV holds. A tensor-parallel rank holds such a range (``kvstore.heads``)."""
+
+    start: int
+    end: int
+    total: int
+
+    def __post_init__(self) -> None:
+        if not all(type(v) is int for v in (self.start, self.end, self.total)) or \
+                not 0 <= self.start < self.end <= self.total <= MAX_HEADS:
+            raise ValueError(f"head range [{self.start!r}, {self.end!r}) of {self.total!r} heads is not valid "
+                             f"(0 <= start < end <= total <= {MAX_HEADS})")
+
+    @property
+    def count(self) -> int:
+        return self.end - self.start
+
+    @property
+    def suffix(self) -> str:
+        """What a key naming these heads ends with."""
+        return f"/h{self.start}-{self.end}of{self.total}"
+
+    def contains(self, other: HeadRange) -> bool:
+        return self.total == other.total and self.start <= other.start and other.end <= self.end
+
+    def overlap(self, other: HeadRange) -> HeadRange | None:
+        """The heads both hold (None: none)."""
+        lo, hi = max(self.start, other.start), min(self.end, other.end)
+        return HeadRange(lo, hi, self.total) if lo < hi and self.total == other.total else None
+
+    def as_tuple(self) -> tuple[int, int, int]:
+        return self.start, self.end, self.total
+
+    def __str__(self) -> str:
+        return f"[{self.start}, {self.end}) of {self.total}"
+
+
 @dataclass(frozen=True)
 class ChunkKey:
     """One chunk of a token prefix: tokens ``[start, end)`` and the key naming ``tokens[:end]``."""
@@ -170,10 +241,24 @@ class ChunkKey:
     #: The same chunk in the key spaces of previous keys still accepted (a rotation's window):
     #: lookups and loads fall back to them (``PrefixCache.keys``); empty otherwise.
     previous: tuple[ChunkKey, ...] = ()
+    #: The KV heads the record holds (named by the key's suffix); None: a record not cut by head.
+    heads: HeadRange | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def base(self) -> str:
+        """The key without its head range: the same for every range of the chunk."""
+        return self.key if self.heads is None else self.key[:-len(self.heads.suffix)]
+
+    def with_heads(self, heads: HeadRange | None) -> ChunkKey:
+        """The same chunk's key for the record of ``heads`` (None: the record not cut by head)."""
+        if heads == self.heads:
+            return self
+        return replace(self, key=self.base + (heads.suffix if heads is not None else ""), heads=heads,
+                       previous=tuple(p.with_heads(heads) for p in self.previous))
 
 
 @dataclass(frozen=True, order=True)
@@ -234,18 +319,21 @@ def tokens_to_array(tokens: TokenIds) -> np.ndarray:
 
 
 def chunk_keys(namespace: Namespace, tokens: TokenIds, *, include_partial: bool = True,
-               max_chunks: int | None = None, spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
+               max_chunks: int | None = None, spans: Sequence[InputSpan] = (),
+               heads: HeadRange | None = None) -> list[ChunkKey]:
     """Keys of every chunk of ``tokens`` under ``namespace``, in order.
 
     The last chunk is included when shorter than ``chunk_tokens`` only if ``include_partial``.
     ``max_chunks`` stops early (lookups that only need a bounded prefix). ``spans``: the
     prompt's non-text inputs (see the module docstring); spans past ``tokens`` change nothing.
+    ``heads``: the records' head range (the keys' suffix; None: records not cut by head).
     """
     spans = _check_spans(spans)
     arr = tokens_to_array(tokens)
     n = int(arr.shape[0])
     step = namespace.chunk_tokens
     prefix = namespace.key_prefix
+    suffix = heads.suffix if heads is not None else ""
     h = _chain_seed(namespace)
     out: list[ChunkKey] = []
     data = array_view(arr).cast("B")
@@ -258,7 +346,7 @@ def chunk_keys(namespace: Namespace, tokens: TokenIds, *, include_partial: bool 
             break
         h = _link(h, data, start, end, partial, _spans_key(spans, start, end))
         digest = h[:_DIGEST_BYTES]
-        out.append(ChunkKey(index, start, end, digest, partial, prefix + digest.hex()))
+        out.append(ChunkKey(index, start, end, digest, partial, prefix + digest.hex() + suffix, heads=heads))
     return out
 
 
@@ -281,10 +369,11 @@ def _link(h: bytes, data: memoryview, start: int, end: int, partial: bool, spans
 
 
 def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int], *,
-                spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
+                spans: Sequence[InputSpan] = (), heads: HeadRange | None = None) -> list[ChunkKey]:
     """The keys of every chunk of every prefix ``tokens[:e]`` for ``e`` in ``ends``, each once,
     ordered by end (a partial chunk before the whole chunk it begins): what ``chunk_keys`` gives
-    for each prefix, hashing the chain once. Ends beyond ``tokens`` are cut to its length."""
+    for each prefix (of the records of ``heads``), hashing the chain once. Ends beyond ``tokens``
+    are cut to its length."""
     spans = _check_spans(spans)
     arr = tokens_to_array(tokens)
     n = int(arr.shape[0])
@@ -293,6 +382,7 @@ def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int], *,
         return []
     step = namespace.chunk_tokens
     prefix = namespace.key_prefix
+    suffix = heads.suffix if heads is not None else ""
     h = _chain_seed(namespace)
     out: list[ChunkKey] = []
     data = array_view(arr).cast("B")
@@ -303,10 +393,10 @@ def prefix_keys(namespace: Namespace, tokens: TokenIds, ends: Sequence[int], *,
         # extends it.
         for end in (e for e in wanted if start < e < full_end):
             digest = _link(h, data, start, end, True, _spans_key(spans, start, end))[:_DIGEST_BYTES]
-            out.append(ChunkKey(index, start, end, digest, True, prefix + digest.hex()))
+            out.append(ChunkKey(index, start, end, digest, True, prefix + digest.hex() + suffix, heads=heads))
         if full_end > top:
             break
         h = _link(h, data, start, full_end, False, _spans_key(spans, start, full_end))
         digest = h[:_DIGEST_BYTES]
-        out.append(ChunkKey(index, start, full_end, digest, False, prefix + digest.hex()))
+        out.append(ChunkKey(index, start, full_end, digest, False, prefix + digest.hex() + suffix, heads=heads))
     return out

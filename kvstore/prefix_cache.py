@@ -68,7 +68,8 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvstore.buffers import BufferPool, Lease, Pieces, default_pool, lease_or_fresh, thread_pool
 from kvstore.errors import ConfigError, CorruptRecordError, KVStoreError
-from kvstore.keys import ChunkKey, InputSpan, Namespace, TokenIds, chunk_keys, prefix_keys, tokens_to_array
+from kvstore.heads import covered_count
+from kvstore.keys import ChunkKey, HeadRange, InputSpan, Namespace, TokenIds, chunk_keys, prefix_keys, tokens_to_array
 from kvstore.metrics import catalog as metrics
 from kvstore.record import (
     DTYPES,
@@ -91,7 +92,8 @@ from kvstore.types import Buffer
 if TYPE_CHECKING:
     from kvstore.events import EventSink
 
-__all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "Staging", "stored_by_tier"]
+__all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "Staging", "stored_by_tier", "covered_by_tier", "Covered",
+           "Source"]
 
 log = logging.getLogger(__name__)
 
@@ -210,14 +212,119 @@ def stored_by_tier(store: Store, shards: Sequence[Sequence[ChunkKey]], *, counte
     return held
 
 
+#: One way a lookup may find a group's records: the units they cover (the KV heads of a head range;
+#: one TP rank's shard of records not cut by head, as unit ``r`` of ``tp_size``) and their keys, in
+#: chunk order.
+Source = tuple[HeadRange, Sequence[ChunkKey]]
+
+
+@dataclass(frozen=True)
+class Covered:
+    """What ``covered_by_tier`` found: per tier, the leading chunks every group covers there; over
+    all tiers together, the leading chunks each source holds (per group, by its units)."""
+
+    per_tier: list[int]
+    counts: list[dict[HeadRange, int]]
+
+    @property
+    def chunks(self) -> int:
+        """Leading chunks every group covers, taking each source from any tier."""
+        return min((covered_count(c, next(iter(c)).total) for c in self.counts if c), default=0)
+
+    def found(self, group: int, chunks: int) -> list[HeadRange]:
+        """The sources of ``group`` that hold at least ``chunks`` leading chunks."""
+        return sorted(u for u, n in self.counts[group].items() if n >= chunks)
+
+
+def covered_by_tier(store: Store, groups: Sequence[Sequence[Source]], *, more: Sequence[Sequence[Source]] = (),
+                    counted: bool = True) -> Covered:
+    """How many leading chunks of a prompt each of ``store.tiers`` holds for every group of
+    ``groups`` (a chunk counts for a group when its sources there cover every unit: every KV head
+    by some head range, or every TP rank's shard), the least over groups; and how many each source
+    holds. One ``exists_by_tier`` call for every key of every source (a rotation's previous key
+    spaces included); then, only when that does not cover every chunk, one more for the sources in
+    ``more`` (per group, other ways to cover it: other writers' head ranges). Zeros when the store
+    is unavailable. One lookup, counted once (``counted=False``: not in the lookup metrics)."""
+    start = time.perf_counter()
+    if counted:
+        metrics.LOOKUPS.inc()
+    tiers = len(store.tiers)
+    num = max((len(keys) for g in groups for _, keys in g), default=0)
+    per_source: list[dict[HeadRange, list[list[bool]]]] = [{} for _ in groups]  # per tier presence
+    try:
+        _ask(store, groups, per_source, tiers)
+        result = _covered(per_source, tiers, num)
+        if result.chunks < num and any(more):
+            _ask(store, more, per_source, tiers)
+            result = _covered(per_source, tiers, num)
+    except KVStoreError as exc:  # a store that is not tiered fails as a whole: a miss
+        log.debug("lookup failed: %s", exc)
+        if counted:
+            metrics.LOOKUP_FAILURES.inc(reason="error")
+        result = Covered([0] * tiers, [{} for _ in groups])
+    if counted:
+        metrics.LATENCY.observe(time.perf_counter() - start, op="lookup")
+        first = next((keys for g in groups for _, keys in g if keys), ())
+        if first:
+            found = min(max(result.per_tier, default=0), len(first))
+            metrics.LOOKUP_TOKENS.inc(first[-1].end)
+            metrics.LOOKUP_HIT_TOKENS.inc(first[found - 1].end if found else 0)
+    return result
+
+
+def _ask(store: Store, groups: Sequence[Sequence[Source]], per_source: list[dict[HeadRange, list[list[bool]]]],
+         tiers: int) -> None:
+    """One ``exists_by_tier`` call for every key of ``groups``' sources (and their previous key
+    spaces'); each source's presence per tier and chunk merged into ``per_source``."""
+    names: list[str] = []
+    for g in groups:
+        for _, keys in g:
+            names.extend(k.key for k in keys)
+            for j in range(len(keys[0].previous) if keys else 0):
+                names.extend(k.previous[j].key for k in keys)
+    present = store.exists_by_tier(names) if names else [[] for _ in range(tiers)]
+    at = 0
+    for held, g in zip(per_source, groups):
+        for units, keys in g:
+            spaces = 1 + (len(keys[0].previous) if keys else 0)
+            rows = held.setdefault(units, [[False] * len(keys) for _ in range(tiers)])
+            for t in range(tiers):
+                for s in range(spaces):
+                    here = present[t][at + s * len(keys):at + (s + 1) * len(keys)]
+                    rows[t] = [a or b for a, b in zip(rows[t], here)]
+            at += spaces * len(keys)
+
+
+def _leading(flags: Sequence[bool]) -> int:
+    return next((i for i, f in enumerate(flags) if not f), len(flags))
+
+
+def _covered(per_source: list[dict[HeadRange, list[list[bool]]]], tiers: int, num: int) -> Covered:
+    per_tier = [num] * tiers
+    counts: list[dict[HeadRange, int]] = []
+    for held in per_source:
+        if not held:
+            counts.append({})
+            continue
+        total = next(iter(held)).total
+        for t in range(tiers):
+            per_tier[t] = min(per_tier[t], covered_count({u: _leading(rows[t]) for u, rows in held.items()}, total))
+        counts.append({u: _leading([any(col) for col in zip(*rows)]) for u, rows in held.items()})
+    return Covered(per_tier if per_source else [0] * tiers, counts)
+
+
 class PrefixCache:
-    """Chunked, verified save/load of token-prefix KV under one namespace."""
+    """Chunked, verified save/load of token-prefix KV under one namespace.
+
+    ``heads``: the KV heads of this cache's records (its keys' suffix and their headers' ``heads``;
+    ``kvstore.keys``), None for records not cut by head."""
 
     def __init__(self, store: Store, namespace: Namespace, *, codec: str = "raw",
                  pool: BufferPool | None = None, auth: RecordAuth | None = None,
-                 count_tokens: bool = True) -> None:
+                 count_tokens: bool = True, heads: HeadRange | None = None) -> None:
         self.store = store
         self.auth = auth
+        self.heads = heads
         #: Whether loads and saves count tokens (``kvstore_tokens_loaded_total`` and ``..._saved_``):
         #: an engine that stores one prompt in several caches (KV cache groups) counts it in one.
         self.count_tokens = count_tokens
@@ -244,16 +351,17 @@ class PrefixCache:
     def keys(self, tokens: TokenIds, *, namespace: Namespace | None = None, include_partial: bool = True,
              max_tokens: int | None = None, spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
         """Chunk keys of ``tokens`` (optionally only chunks ending at or before ``max_tokens``), in
-        this cache's key space; during a rotation window each carries its previous-space keys.
+        this cache's key space, of the records of its ``heads`` (``ChunkKey.with_heads`` names
+        another range's); during a rotation window each carries its previous-space keys.
         ``spans``: the prompt's non-text inputs (``kvstore.keys``)."""
         ns = self.in_space(namespace or self.namespace)
-        keys = chunk_keys(ns, tokens, include_partial=include_partial, spans=spans)
+        keys = chunk_keys(ns, tokens, include_partial=include_partial, spans=spans, heads=self.heads)
         if max_tokens is not None:
             keys = [k for k in keys if k.end <= max_tokens]
         older = self.auth.previous_key_spaces() if self.auth is not None else []
         if older and keys:
             spaces = [chunk_keys(ns.with_key_space(space), tokens, include_partial=include_partial,
-                                 spans=spans)[:len(keys)]
+                                 spans=spans, heads=self.heads)[:len(keys)]
                       for space in older]
             keys = [replace(k, previous=tuple(space[i] for space in spaces)) for i, k in enumerate(keys)]
         return keys
@@ -290,6 +398,7 @@ class PrefixCache:
         hidden_dtype: str | None = None,
         hidden_shape: Sequence[int] | None = None,
         land: Callable[[ChunkKey], Sequence[memoryview] | None] | None = None,
+        counted: bool = True,
     ) -> LoadResult:
         """Fetch ``keys`` in one batch, verify each, and call ``sink(chunk, record)`` in order.
 
@@ -306,6 +415,7 @@ class PrefixCache:
         record that then fails leaves its bytes in the destination, which the caller must
         treat as holding nothing (it stays past the loaded prefix, like every chunk not
         placed). Chunks of other stores, and records that cannot land, come as before.
+        ``counted=False``: the tokens are not counted as loaded (the same tokens' other heads were).
         """
         ns = self.in_space(namespace or self.namespace)
         result = LoadResult()
@@ -329,7 +439,7 @@ class PrefixCache:
             done += placed
         metrics.HITS.inc(result.num_chunks)
         metrics.MISSES.inc(len(keys) - result.num_chunks)
-        if self.count_tokens:
+        if self.count_tokens and counted:
             metrics.TOKENS_LOADED.inc(result.num_tokens)
         metrics.LATENCY.observe(time.perf_counter() - start, op="load")
         return result
@@ -386,6 +496,7 @@ class PrefixCache:
         hidden_shape: Sequence[int] | None = None,
         pool: BufferPool | None = None,
         before_place: Callable[[ChunkKey, Record], None] | None = None,
+        counted: bool = True,
     ) -> LoadResult:
         """``load`` for a reader that moves each record elsewhere before placing it (a GPU).
 
@@ -428,7 +539,7 @@ class PrefixCache:
                     record.lease.release()
         metrics.HITS.inc(result.num_chunks)
         metrics.MISSES.inc(len(keys) - result.num_chunks)
-        if self.count_tokens:
+        if self.count_tokens and counted:
             metrics.TOKENS_LOADED.inc(result.num_tokens)
         metrics.LATENCY.observe(time.perf_counter() - start, op="load")
         return result
@@ -660,7 +771,8 @@ class PrefixCache:
         if keys[0].key.startswith(ns.key_prefix):
             return keys
         wanted = {(k.start, k.end) for k in keys}
-        return [k for k in prefix_keys(ns, tokens, [k.end for k in keys], spans=spans) if (k.start, k.end) in wanted]
+        return [k for k in prefix_keys(ns, tokens, [k.end for k in keys], spans=spans, heads=keys[0].heads)
+                if (k.start, k.end) in wanted]
 
     def _remember(self, chunks: Sequence[ChunkKey], *, heal: bool) -> None:
         with self._rewrite_lock:

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 
 from kvstore import FORMAT_VERSION, Namespace, chunk_keys
+from kvstore.keys import HeadRange
 
 #: The format versions whose records are still read, oldest first.
-VERSIONS = (1, 2)
+VERSIONS = (1, 2, 3)
 CREATED = 1_790_000_000.0
 
 # name -> (dtype, codec chain, per-layer shape, layers, hidden (dtype, shape) or None, tokens)
@@ -26,7 +27,12 @@ CASES = {
     "fp32_raw": ("float32", (), (32, 48), 2, None, 32),
     "fp8_raw": ("float8_e4m3fn", (), (2, 32, 1, 16), 2, None, 32),
     "bf16_shuffle_zstd": ("bfloat16", ("shuffle2", "zstd"), (2, 32, 2, 16), 2, None, 32),
+    "fp32_raw_heads": ("float32", (), (32, 2, 48), 2, None, 32),
 }
+#: Cases of records that name a head range, and the first format version that has them.
+HEADS = {"fp32_raw_heads": (HeadRange(2, 4, 8), 3)}
+#: Every (case, version) with a fixture.
+CASE_VERSIONS = [(name, v) for v in VERSIONS for name in sorted(CASES) if HEADS.get(name, (None, 1))[1] <= v]
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
@@ -55,7 +61,7 @@ def case_inputs(name: str, cache_salt: str = "", version: int = FORMAT_VERSION):
     rng = np.random.default_rng(seed)
     ns = namespace(dtype, cache_salt, version)
     tokens = rng.integers(0, 50_000, ntok, dtype=np.int64)
-    chunk = chunk_keys(ns, tokens)[0]
+    chunk = chunk_keys(ns, tokens, heads=HEADS[name][0] if name in HEADS else None)[0]
     n = layers * int(np.prod(shape))
     if dtype in ("bfloat16", "float16", "float32"):
         # Smooth-ish values so the compressors have something to find, stored as the dtype's bytes.

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from kvstore import FORMAT_VERSION, ConfigError, Namespace, chunk_keys
+from kvstore.keys import HeadRange, key_heads, prefix_keys, split_key
 
 NS = Namespace(model="meta-llama/Llama-3-8B", kv_dtype="bfloat16", layout="vllm-flash", block_size=16,
                chunk_tokens=256, layer_start=0, layer_end=32, tp_rank=0, tp_size=1,
@@ -31,7 +32,18 @@ GOLDEN = {
         ("kvs2/e19ed40658770788/b5c97e4c6710fcf65792bf921dac686d", 256, 512, False),
         ("kvs2/e19ed40658770788/8e78d74693934720350a1681b30cf9e0", 512, 600, True),
     ]),
+    3: ("8de763504463f399b0c76cccb3de3719053809017b9e66e180a910d823e264b2", [
+        ("kvs3/8de763504463f399/39488ca39cac7797919fcb174b98fc29", 0, 256, False),
+        ("kvs3/8de763504463f399/d83dc1f58b525240a00d2563c9f904ff", 256, 512, False),
+        ("kvs3/8de763504463f399/97b63ee2336899abe5dc764f771629f3", 512, 600, True),
+    ]),
 }
+#: Version 3's keys of the records of KV heads [2, 4) of 8: the chain's keys with a suffix.
+GOLDEN_HEADS = [
+    "kvs3/8de763504463f399/39488ca39cac7797919fcb174b98fc29/h2-4of8",
+    "kvs3/8de763504463f399/d83dc1f58b525240a00d2563c9f904ff/h2-4of8",
+    "kvs3/8de763504463f399/97b63ee2336899abe5dc764f771629f3/h2-4of8",
+]
 
 
 @pytest.mark.parametrize("version", sorted(GOLDEN))
@@ -44,6 +56,38 @@ def test_golden_namespace_and_keys(version):
 
 def test_the_current_format_has_golden_keys():
     assert NS.format_version == FORMAT_VERSION in GOLDEN
+
+
+def test_golden_head_range_keys():
+    heads = HeadRange(2, 4, 8)
+    keys = chunk_keys(NS, list(range(600)), heads=heads)
+    assert [k.key for k in keys] == GOLDEN_HEADS and all(k.heads == heads for k in keys)
+    plain = chunk_keys(NS, list(range(600)))
+    # One chain for every range: the digests are the plain keys', the range only a suffix.
+    assert [k.digest for k in keys] == [k.digest for k in plain]
+    assert [k.with_heads(heads) for k in plain] == keys and [k.with_heads(None) for k in keys] == plain
+    assert [k.base for k in keys] == [k.key for k in plain]
+    assert prefix_keys(NS, list(range(600)), [600], heads=heads) == keys
+
+
+def test_head_range_keys_parse():
+    key = GOLDEN_HEADS[0]
+    assert split_key(key) == (3, "8de763504463f399", "39488ca39cac7797919fcb174b98fc29")
+    assert key_heads(key) == HeadRange(2, 4, 8) and key_heads(GOLDEN[3][1][0][0]) is None
+    for bad in ("/h4-2of8", "/h0-9of8", "/h02-4of8", "/h2-4of", "/h-1-2of8", "/h0-0of8"):
+        assert split_key(GOLDEN[3][1][0][0] + bad) is None and key_heads(GOLDEN[3][1][0][0] + bad) is None, bad
+
+
+@pytest.mark.parametrize("args", [(1, 1, 2), (2, 1, 2), (-1, 1, 2), (0, 3, 2), (0, 1, 5000), (0.0, 1, 2)])
+def test_bad_head_ranges(args):
+    with pytest.raises(ValueError, match="head range"):
+        HeadRange(*args)
+
+
+def test_head_range_arithmetic():
+    a, b = HeadRange(0, 4, 8), HeadRange(2, 6, 8)
+    assert a.overlap(b) == HeadRange(2, 4, 8) and a.overlap(HeadRange(4, 8, 8)) is None
+    assert a.contains(HeadRange(1, 3, 8)) and not a.contains(b) and a.count == 4 and str(a) == "[0, 4) of 8"
 
 
 def test_token_container_does_not_matter():

@@ -9,6 +9,7 @@ tests/test_vllm_multimodal.py runs a real multimodal model.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from types import SimpleNamespace
 
@@ -58,11 +59,13 @@ def test_prefix_keys_agree_with_chunk_keys_of_each_prefix_with_spans():
 def test_the_multimodal_key_scheme_is_pinned():
     """A golden value: every process and machine keys an image prompt alike (and a change to
     the scheme is a format change, not an accident)."""
-    key = chunk_keys(NS, PLACEHOLDER, spans=[InputSpan(70, 70, "image-a", "image")])[1].key
-    assert key == GOLDEN_IMAGE_KEY
+    for version, golden in GOLDEN_IMAGE_KEYS.items():
+        ns = dataclasses.replace(NS, format_version=version)
+        assert chunk_keys(ns, PLACEHOLDER, spans=[InputSpan(70, 70, "image-a", "image")])[1].key == golden
 
 
-GOLDEN_IMAGE_KEY = "kvs2/c6f80027fdf53528/24eac3e8f09c42165938c06c65ae4462"
+GOLDEN_IMAGE_KEYS = {2: "kvs2/c6f80027fdf53528/24eac3e8f09c42165938c06c65ae4462",
+                     3: "kvs3/b54e7b6d70e1af54/c1f420fad4f6ef6cedd07a756ef1febf"}
 
 
 @pytest.mark.parametrize("bad", [dict(offset=-1, length=4, identity="x"), dict(offset=0, length=0, identity="x"),

@@ -10,7 +10,7 @@ import forge
 import msgpack
 import numpy as np
 import pytest
-from golden_records import CASES, VERSIONS, case_inputs, encode_case, fixture
+from golden_records import CASE_VERSIONS, CASES, HEADS, case_inputs, encode_case, fixture
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -23,8 +23,7 @@ NS = Namespace(model="m", kv_dtype="bfloat16", layout="t", block_size=4, chunk_t
 
 
 # -- golden records -----------------------------------------------------------------------------
-@pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name, version", CASE_VERSIONS)
 def test_golden_record_decodes(name, version):
     ns, chunk, tokens, dtype, shapes, kv, hidden, hidden_meta, chain = case_inputs(name, version=version)
     data = fixture(name, version).read_bytes()
@@ -34,6 +33,7 @@ def test_golden_record_decodes(name, version):
     assert (None if rec.hidden is None else bytes(rec.hidden)) == hidden
     assert rec.header.codecs == tuple(chain)
     assert rec.header.created == 1_790_000_000.0
+    assert rec.header.heads == (HEADS[name][0].as_tuple() if name in HEADS else None)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -69,8 +69,7 @@ def test_decode_into_callers_buffer(codec):
     assert bytes(out) == kv and rec.kv.obj is out  # written in place, no new buffer handed back
 
 
-@pytest.mark.parametrize("version", VERSIONS)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name, version", CASE_VERSIONS)
 def test_a_header_read_from_the_first_bytes_is_the_whole_records(name, version):
     data = fixture(name, version).read_bytes()
     whole = read_header(data)
@@ -181,6 +180,23 @@ def test_foreign_or_mismatched_records_are_corrupt(kwargs, reason):
     with pytest.raises(CorruptRecordError) as err:
         decode_record(data, **kwargs)
     assert err.value.reason == reason
+
+
+def test_a_record_of_other_heads_is_rejected():
+    """A record names its head range in its header: read as another range (a key whose suffix was
+    changed, or a record moved under another range's key), it is corrupt, never scattered into
+    other heads."""
+    from kvstore.keys import HeadRange
+
+    tokens = list(range(8))
+    chunk = chunk_keys(NS, tokens, heads=HeadRange(0, 1, 2))[0]
+    kv = np.arange(2 * 8 * 12, dtype=np.uint16).tobytes()
+    data = bytes(encode_record(namespace=NS, chunk=chunk, tokens=tokens, dtype="bfloat16", shapes=[(8, 12)] * 2, kv=kv))
+    assert decode_record(data, chunk=chunk).header.heads == (0, 1, 2)
+    for other in (chunk.with_heads(HeadRange(1, 2, 2)), chunk.with_heads(HeadRange(0, 1, 4)), chunk.with_heads(None)):
+        with pytest.raises(CorruptRecordError) as err:
+            decode_record(data, chunk=other)
+        assert err.value.reason == "heads"
 
 
 def test_record_under_the_wrong_key_is_rejected():
@@ -390,6 +406,12 @@ def test_zstd_payload_with_trailing_bytes_is_rejected():
     (lambda h: dict(h, hidden=["bfloat16", []]), "header"),
     (lambda h: dict(h, hidden=["bfloat16", [16], 1]), "header"),
     (lambda h: dict(h, partial=0), "header"),
+    (lambda h: dict(h, heads=[1, 1, 2]), "header"),                    # an empty head range
+    (lambda h: dict(h, heads=[0, 3, 2]), "header"),                    # past the model's heads
+    (lambda h: dict(h, heads=[0, 1]), "header"),
+    (lambda h: dict(h, heads=[0, 1.0, 2]), "header"),
+    (lambda h: dict(h, heads=[0, 1, 5000]), "header"),
+    (lambda h: {k: v for k, v in h.items() if k != "heads"}, "header"),  # version 2's header
 ])
 def test_inconsistent_headers_are_rejected(change, reason):
     data, *_ = _record(("shuffle2", "lz4"))

@@ -29,6 +29,7 @@ from kvstore.connectors.vllm.facts import (
     check_vllm_version,
     choose_layout,
     engine_facts,
+    group_heads,
     model_fingerprint,
 )
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, SaveSpec
@@ -39,7 +40,8 @@ from kvstore.connectors.vllm.stats import KVStoreStats, measurements_from_data, 
 from kvstore.connectors.vllm.worker import WorkerSide
 from kvstore.cost import Measurements
 from kvstore.errors import ConfigError
-from kvstore.keys import check_chunk_tokens
+from kvstore.heads import writer_ranges
+from kvstore.keys import HeadRange, check_chunk_tokens
 from kvstore.stores.memory import MemoryStore
 from kvstore.stores.tiered import TieredStore
 from kvstore.testing.damage import flip_byte
@@ -136,7 +138,7 @@ HF = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "_name_
 def facts(**kw) -> EngineFacts:
     base = EngineFacts(model="tiny", fingerprint=model_fingerprint(HF, dtype="bfloat16", revision=None, quantization=None),
                        kv_dtype="bfloat16", block_size=BS, num_layers=4, device_type="cpu", isa="vec",
-                       backend="CPU_ATTN", kv_cache_layout="LBHNC", tp_size=1)
+                       backend="CPU_ATTN", kv_cache_layout="LBHNC", tp_size=1, kv_heads=2, head_size=64)
     return replace(base, **kw)
 
 
@@ -158,23 +160,45 @@ def test_namespace_separates_everything_that_changes_kv_bytes():
     opts = parse_options({"store": "memory://", "chunk_tokens": 64})
     ns, layout = build_namespace(facts(), opts, 0)
     assert ns.layout == layout.name == "vllm-cpu-vec" and ns.block_size == BS and ns.layer_end == 4
-    assert dict(ns.extra)["backend"] == "CPU_ATTN"
+    assert "backend" not in dict(ns.extra) and "kv_cache_layout" not in dict(ns.extra)
     assert build_namespace(facts(), opts, 0)[0].digest == ns.digest  # stable
+    gpu = dict(device_type="cuda", isa=None, backend="gpu-token-rows", kv_cache_layout="any")
     variants = [
         build_namespace(facts(isa="amx"), opts, 0)[0],
-        build_namespace(facts(device_type="cuda", isa=None, backend="gpu-token-rows", kv_cache_layout="any"), opts, 0)[0],
+        build_namespace(facts(**gpu), opts, 0)[0],
         build_namespace(facts(kv_dtype="float8_e4m3fn"), opts, 0)[0],
         build_namespace(facts(block_size=64), opts, 0)[0],
-        build_namespace(facts(tp_size=2), opts, 1)[0],
-        build_namespace(facts(tp_size=2), opts, 0)[0],
         build_namespace(facts(fingerprint="other"), opts, 0)[0],
         build_namespace(facts(model="other"), opts, 0)[0],
+        build_namespace(facts(head_size=128), opts, 0)[0],
         build_namespace(facts(), parse_options({"store": "memory://", "chunk_tokens": 128}), 0)[0],
         ns.with_salt("tenant-a"),
     ]
     assert len({v.digest for v in [ns, *variants]}) == len(variants) + 1
     with pytest.raises(ConfigError, match="multiple of the engine's block_size=32"):
         build_namespace(facts(), parse_options({"store": "memory://", "chunk_tokens": 80}), 0)
+
+
+def test_the_namespace_does_not_name_who_wrote_the_records():
+    """Records name their KV heads, not their writer: every rank of every TP size, and on a GPU
+    every block size and attention backend, shares one namespace. Without the model's head count
+    (a group not cut by head) each rank keeps a shard of its own, as before."""
+    opts = parse_options({"store": "memory://", "chunk_tokens": 64})
+    ns = build_namespace(facts(), opts, 0)[0]
+    assert {build_namespace(facts(tp_size=t), opts, r)[0].digest for t in (1, 2) for r in range(t)} == {ns.digest}
+    assert (ns.tp_rank, ns.tp_size) == (0, 1)
+    f2 = facts(tp_size=2)
+    assert [group_heads(f2, f2.kv_groups[0], r) for r in range(2)] == [(HeadRange(0, 1, 2), True),
+                                                                        (HeadRange(1, 2, 2), True)]
+    gpu = dict(device_type="cuda", isa=None, backend="gpu-token-rows")
+    shared = {build_namespace(facts(block_size=b, kv_cache_layout=lay, **gpu), opts, 0)[0].digest
+              for b in (16, 32) for lay in ("NHD", "HND", "any")}
+    assert len(shared) == 1 and build_namespace(facts(**gpu), opts, 0)[0].block_size == 1
+    f8 = facts(tp_size=8)  # more ranks than the 2 KV heads: ranks 0 and 4 write, every rank reads
+    assert [group_heads(f8, f8.kv_groups[0], r)[1] for r in range(8)] == [True, False, False, False,
+                                                                          True, False, False, False]
+    shards = facts(tp_size=2, kv_heads=0)
+    assert len({build_namespace(shards, opts, r)[0].digest for r in range(2)}) == 2
 
 
 def fake_vllm_config(*, pp=1, tp=1, groups=1, cache_dtype="auto"):
@@ -200,7 +224,9 @@ def test_engine_facts_pick_the_cpu_packed_layout_on_this_host():
         "cpu", "CPU_ATTN", "LBHNC", BS, 4, "bfloat16", 2)
     assert f.isa == _get_attn_isa(torch.bfloat16, BS, 64, "auto") and f.model == "/models/tiny"
     ns, layout = build_namespace(f, opts, 1)
-    assert layout.name == f"vllm-cpu-{f.isa}" and ns.tp_rank == 1
+    assert layout.name == f"vllm-cpu-{f.isa}" and ns.tp_rank == 0
+    assert (f.kv_heads, f.head_size) == (4, 64)  # 2 KV heads a rank, 2 ranks
+    assert group_heads(f, f.kv_groups[0], 1) == (HeadRange(2, 4, 4), True)
     assert engine_facts(*fake_vllm_config(), parse_options({"store": "memory://", "model_id": "m"})).model == "m"
     with pytest.raises(ConfigError, match="pipeline parallelism"):
         engine_facts(*fake_vllm_config(pp=2), opts)
@@ -229,7 +255,7 @@ class FakeBlocks:
 SYNC = {"load_mode": "sync", "save_mode": "sync"}
 
 
-def make_connector(role: str, store, f: EngineFacts, *, kv_role="kv_both", lag=0, **extra) -> KVStoreConnector:
+def make_connector(role: str, store, f: EngineFacts, *, kv_role="kv_both", lag=0, rank=0, **extra) -> KVStoreConnector:
     """A connector half built around a given store (the constructor's vLLM plumbing skipped)."""
     c = object.__new__(KVStoreConnector)
     c._connector_metadata = None
@@ -242,7 +268,7 @@ def make_connector(role: str, store, f: EngineFacts, *, kv_role="kv_both", lag=0
         c.scheduler = SchedulerSide(store, f, c.opts, loads=r.loads, saves=r.saves, block_ids=c._request_block_ids,
                                     lag=lag)
     else:
-        c.worker = WorkerSide(store, f, c.opts, 0)
+        c.worker = WorkerSide(store, f, c.opts, rank)
     return c
 
 
@@ -385,6 +411,62 @@ def test_save_then_load_through_the_connector(kind, mode):
     assert store.get(keys[2].key) is not None and len(list(store.iter_keys())) == 5
     req_e = fake_request("e", tokens)
     assert ask(sched_b, req_e, 0) == (288, background)
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+@pytest.mark.parametrize("heads, writer_tp, reader_tp", [(2, 2, 1), (2, 1, 2), (2, 8, 1), (2, 1, 8), (2, 2, 8),
+                                                         (4, 4, 2), (4, 2, 4)])
+def test_a_reader_of_another_tp_size_loads_every_head_through_the_connector(kind, heads, writer_tp, reader_tp):
+    """Scheduler -> metadata -> every worker rank, across TP sizes (among them GQA with more ranks
+    than KV heads: TP=8 over 2 heads, where ranks 0 and 4 write and every rank reads): every head is
+    stored once, the reader's lookup counts the hit only with every head covered, and each reader
+    rank's blocks hold the writer's bytes for its heads."""
+    gpu = dict(device_type="cuda", isa=None, backend="gpu-token-rows", kv_cache_layout="any")
+    fw, fr = (facts(tp_size=t, kv_heads=heads, **(gpu if kind == "cuda" else {})) for t in (writer_tp, reader_tp))
+    store, tokens = MemoryStore(), list(range(3000, 3300))
+    g = torch.Generator().manual_seed(7)
+    full = [torch.randn(24, heads, BS, 32, generator=g).to(torch.bfloat16) for _ in range(4)]
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+
+    def rank_caches(f, rank, source=None):
+        h = group_heads(f, f.kv_groups[0], rank)[0]
+        base = full if source is None else [torch.zeros_like(c) for c in full]
+        return {n: c[:, h.start:h.end].contiguous() for n, c in zip(names, base)}
+
+    sched_w = make_connector("scheduler", store, fw, **SYNC)
+    writers = [make_connector("worker", store, fw, rank=r, **SYNC) for r in range(writer_tp)]
+    for r, w in enumerate(writers):
+        w.register_kv_caches(rank_caches(fw, r))
+    req = fake_request("w", tokens)
+    assert ask(sched_w, req, 0) == (0, False)
+    blocks_w = [5, 2, 11, 7, 0, 9, 14, 3, 21, 1]
+    alloc(sched_w, req, blocks_w, 0)
+    meta = step(sched_w, req, blocks_w, computed=0, scheduled=300, new=True)
+    for w in writers:
+        run_worker(w, meta)
+    stored = sorted(store.iter_keys())
+    assert len(stored) == 5 * min(writer_tp, heads)  # every head once, whatever the replicas
+    assert {k.rsplit("/", 1)[1] for k in stored} == {h.suffix[1:] for h in writer_ranges(writer_tp, heads)}
+
+    sched_r = make_connector("scheduler", store, fr, **SYNC)
+    readers = [make_connector("worker", store, fr, rank=r, **SYNC) for r in range(reader_tp)]
+    dst = [rank_caches(fr, r, source="zeros") for r in range(reader_tp)]
+    for w, caches in zip(readers, dst):
+        w.register_kv_caches(caches)
+    req_r = fake_request("r", tokens)
+    assert ask(sched_r, req_r, 0) == (288, False)
+    blocks_r = [3, 4, 6, 8, 10, 12, 13, 15, 16, 17]
+    alloc(sched_r, req_r, blocks_r, 288)
+    meta = step(sched_r, req_r, blocks_r, computed=288, scheduled=12, new=True)
+    assert [sorted(h) for h in meta.loads[0].heads] == [writer_ranges(writer_tp, heads)]
+    for r, w in enumerate(readers):
+        assert run_worker(w, meta) == set()
+        h = group_heads(fr, fr.kv_groups[0], r)[0]
+        for name, c in zip(names, full):
+            assert torch.equal(dst[r][name][blocks_r[:9]], c[blocks_w[:9], h.start:h.end]), (r, name)
+    # Records of some heads gone: no hit, though the other heads are stored.
+    store.delete(stored[0])
+    assert ask(sched_r, fake_request("r2", tokens), 0)[0] < 288
 
 
 def test_with_async_scheduling_the_step_planned_before_a_failure_was_seen_saves_nothing():
@@ -608,11 +690,11 @@ def test_a_lookup_past_its_deadline_or_failing_is_a_counted_miss():
         """Its lookups answer only once released; or fail."""
         fail = False
 
-        def longest_prefix(self, keys):
+        def exists_many(self, keys):
             if self.fail:
                 raise StoreUnavailableError("down")
             release.wait(10)
-            return super().longest_prefix(keys)
+            return super().exists_many(keys)
 
     store = Stuck()
     now = [0.0]
@@ -626,6 +708,7 @@ def test_a_lookup_past_its_deadline_or_failing_is_a_counted_miss():
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         assert LOOKUP_FAILURES.value(reason="timeout") - before["timeout"] == 1
         release.set()
+        sched._lookups["slow"].future.result(timeout=10)  # the late answer (and its second ask) is in
         store.fail = True
         assert ask(sched, fake_request("down", list(range(300))), 0) == (0, False)
         assert LOOKUP_FAILURES.value(reason="error") - before["error"] == 1

@@ -66,6 +66,10 @@ LOOKUP_TOKENS = REGISTRY.counter("kvstore_lookup_tokens_total", "Tokens asked fo
 LOOKUP_FAILURES = REGISTRY.counter("kvstore_lookup_failures_total",
                                    "Lookups answered as misses without an answer from the store, by reason.",
                                    ("reason",))
+LOOKUP_MISSES = REGISTRY.counter(
+    "kvstore_lookup_misses_total", "vLLM lookups that found no stored chunk, by reason: the prompt's first chunk "
+    "stored under another KV dtype, chunk_tokens, CPU ISA or record format (kv_dtype, chunk_tokens, cpu_isa, format), "
+    "under none of them (absent), or not asked (unprobed).", ("reason",))
 HITS = REGISTRY.counter("kvstore_hits_total", "Chunks loaded and verified.")
 MISSES = REGISTRY.counter("kvstore_misses_total", "Chunks looked up but not loaded.")
 TOKENS_LOADED = REGISTRY.counter("kvstore_tokens_loaded_total", "Tokens whose KV was loaded into an engine.")

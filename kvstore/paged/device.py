@@ -46,7 +46,7 @@ import torch
 from kvstore.buffers import BufferPool, Lease
 from kvstore.keys import ChunkKey, InputSpan, Namespace
 from kvstore.metrics import catalog as metrics
-from kvstore.paged.layouts import PagedLayout
+from kvstore.paged.layouts import HeadSlice, PagedLayout
 from kvstore.paged.tensors import HiddenOf
 from kvstore.pinned import HostPinner, cuda_pinner
 from kvstore.prefix_cache import ChunkPayload, LoadResult, PrefixCache
@@ -126,9 +126,13 @@ class DeviceCopies:
             layout.chunk_shape(first, layout.block_size(first))) // layout.block_size(first)
 
     # -- shared ----------------------------------------------------------------------------
-    def chunk_bytes(self, num_tokens: int) -> int:
-        """A record's KV bytes for a chunk of ``num_tokens`` tokens (every layer)."""
-        return self._token_bytes * num_tokens
+    def chunk_bytes(self, num_tokens: int, part: HeadSlice | None = None) -> int:
+        """A record's KV bytes for a chunk of ``num_tokens`` tokens (every layer; of ``part``'s
+        record, when it holds other heads than the cache)."""
+        if part is None:
+            return self._token_bytes * num_tokens
+        shape = self.layout.record_shape(self.kv_caches[0], num_tokens, part.record_heads)
+        return len(self.kv_caches) * self.kv_caches[0].element_size() * math.prod(shape)
 
     def compute_stream(self) -> torch.cuda.Stream:
         """The stream whose work a load or save is ordered against: the calling thread's current
@@ -149,11 +153,11 @@ class DeviceCopies:
                 self._buf = buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buf[:nbytes]
 
-    def _windows(self, keys: Sequence[ChunkKey]) -> Iterator[Sequence[ChunkKey]]:
+    def _windows(self, keys: Sequence[ChunkKey], part: HeadSlice | None = None) -> Iterator[Sequence[ChunkKey]]:
         """``keys`` in runs whose records fit ``staging_bytes`` (at least one chunk each)."""
         start, size = 0, 0
         for i, chunk in enumerate(keys):
-            n = self.chunk_bytes(chunk.num_tokens)
+            n = self.chunk_bytes(chunk.num_tokens, part)
             if i > start and size + n > self.staging_bytes:
                 yield keys[start:i]
                 start, size = i, 0
@@ -161,10 +165,14 @@ class DeviceCopies:
         if start < len(keys):
             yield keys[start:]
 
-    def _records(self, buf: torch.Tensor, offset: int, k: int, num_tokens: int) -> torch.Tensor:
-        """``k`` records of ``num_tokens`` tokens at ``offset`` of ``buf``: ``[k, layers, *chunk_shape]``."""
-        shape = self.layout.chunk_shape(self.kv_caches[0], num_tokens)
-        nbytes = k * self.chunk_bytes(num_tokens)
+    def _records(self, buf: torch.Tensor, offset: int, k: int, num_tokens: int,
+                 part: HeadSlice | None = None) -> torch.Tensor:
+        """``k`` records of ``num_tokens`` tokens at ``offset`` of ``buf``: ``[k, layers, *chunk_shape]``
+        (``part``: of records holding ``part.record_heads`` heads)."""
+        cache = self.kv_caches[0]
+        shape = self.layout.chunk_shape(cache, num_tokens) if part is None else \
+            self.layout.record_shape(cache, num_tokens, part.record_heads)
+        nbytes = k * self.chunk_bytes(num_tokens, part)
         return buf[offset:offset + nbytes].view(self.dtype).view(k, len(self.kv_caches), *shape)
 
     def _runs(self, chunks: Sequence[ChunkKey]) -> Iterator[tuple[int, int]]:
@@ -244,13 +252,16 @@ class DeviceCopies:
     # -- load ------------------------------------------------------------------------------
     def load(self, tokens: np.ndarray, keys: Sequence[ChunkKey], slots: torch.Tensor, skip_tokens: int, *,
              namespace: Namespace | None, before_place: Callable[[ChunkKey, Record], None] | None,
-             hidden_dtype: str | None, hidden_shape: Sequence[int] | None) -> LoadResult:
-        """``KVTransfer.load_sequence``'s load of ``keys`` (all ending after ``skip_tokens``)."""
+             hidden_dtype: str | None, hidden_shape: Sequence[int] | None, part: HeadSlice | None = None,
+             counted: bool = True) -> LoadResult:
+        """``KVTransfer.load_sequence``'s load of ``keys`` (all ending after ``skip_tokens``); with
+        ``part``, of records holding other heads than the cache, of which ``part`` is scattered."""
         total = LoadResult()
         done = 0
         with self._lock:
             done = self._load_windows(tokens, keys, slots, skip_tokens, total, namespace=namespace,
-                                      before_place=before_place, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape)
+                                      before_place=before_place, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape,
+                                      part=part, counted=counted)
         if done < len(keys):
             metrics.MISSES.inc(len(keys) - done)  # windows never asked for: the load stopped before them
         return total
@@ -258,16 +269,22 @@ class DeviceCopies:
     def _load_windows(self, tokens: np.ndarray, keys: Sequence[ChunkKey], slots: torch.Tensor, skip_tokens: int,
                       total: LoadResult, *, namespace: Namespace | None,
                       before_place: Callable[[ChunkKey, Record], None] | None, hidden_dtype: str | None,
-                      hidden_shape: Sequence[int] | None) -> int:
+                      hidden_shape: Sequence[int] | None, part: HeadSlice | None, counted: bool) -> int:
         """``load``'s windows, one ``load_staged`` each, until one falls short; how many keys were asked for."""
         done = 0
+        cache = self.kv_caches[0]
+
+        def shapes(chunk: ChunkKey) -> list[tuple[int, ...]]:
+            shape = self.layout.chunk_shape(cache, chunk.num_tokens) if part is None else \
+                self.layout.record_shape(cache, chunk.num_tokens, part.record_heads)
+            return [shape] * len(self.kv_caches)
+
         try:
-            for window in self._windows(keys):
-                staging = _Staging(self, window, slots, skip_tokens)
+            for window in self._windows(keys, part):
+                staging = _Staging(self, window, slots, skip_tokens, part)
                 result = self.cache.load_staged(
-                    tokens, window, staging, shapes=lambda c: [self.layout.chunk_shape(self.kv_caches[0], c.num_tokens)]
-                    * len(self.kv_caches), namespace=namespace, hidden_dtype=hidden_dtype,
-                    hidden_shape=hidden_shape, pool=self.pool, before_place=before_place)
+                    tokens, window, staging, shapes=shapes, namespace=namespace, hidden_dtype=hidden_dtype,
+                    hidden_shape=hidden_shape, pool=self.pool, before_place=before_place, counted=counted)
                 done += len(window)
                 total.reason = result.reason
                 if result.num_chunks:
@@ -286,12 +303,14 @@ class _Staging:
     """One window of a load: each record's KV DMA'd into device staging as it arrives, the
     verified ones scattered in one pass (``kvstore.prefix_cache.Staging``)."""
 
-    def __init__(self, copies: DeviceCopies, window: Sequence[ChunkKey], slots: torch.Tensor, skip_tokens: int) -> None:
+    def __init__(self, copies: DeviceCopies, window: Sequence[ChunkKey], slots: torch.Tensor, skip_tokens: int,
+                 part: HeadSlice | None = None) -> None:
         self.copies = copies
         self.window = window
         self.slots = slots
         self.skip = skip_tokens
-        self.sizes = [copies.chunk_bytes(c.num_tokens) for c in window]
+        self.part = part
+        self.sizes = [copies.chunk_bytes(c.num_tokens, part) for c in window]
         self.offsets = [0, *np.cumsum(self.sizes).tolist()]
         self.buf = copies._device_buffer(self.offsets[-1])
         self.held: list[Lease] = []
@@ -329,13 +348,18 @@ class _Staging:
 
     def _scatter(self, count: int) -> None:
         """The first ``count`` staged records into the cache, one pass per layer and run of
-        equally long chunks; tokens before ``skip`` (already in the cache) never written."""
-        copies, chunks = self.copies, self.window[:count]
+        equally long chunks; tokens before ``skip`` (already in the cache) never written. Of
+        records holding other heads (``part``), only the heads the cache holds are written."""
+        copies, chunks, part = self.copies, self.window[:count], self.part
         layout, first_cache = copies.layout, copies.kv_caches[0]
         axis = layout.token_axis(first_cache)
+        caches = copies.kv_caches if part is None else \
+            [layout.narrow_heads(c, part.dst_at, part.count) for c in copies.kv_caches]
         for first, k in copies._runs(chunks):
             chunk = chunks[first]
-            records = copies._records(self.buf, self.offsets[first], k, chunk.num_tokens)
+            records = copies._records(self.buf, self.offsets[first], k, chunk.num_tokens, part)
+            if part is not None:  # [k, layers, *record_shape]: the heads both hold, one copy on the device
+                records = layout.narrow_heads(records, part.src_at, part.count, staging=True, lead=2).contiguous()
             run = self.slots[chunk.start:chunks[first + k - 1].end]
             skip = max(0, self.skip - chunk.start)
             if skip:  # only a run's first chunk can start inside the local hit: on its own
@@ -343,10 +367,10 @@ class _Staging:
                 units = layout.chunk_shape(first_cache, chunk.num_tokens)[axis]
                 kept = layout.chunk_shape(first_cache, rest)[axis]
                 head = records[:1].narrow(axis + 2, units - kept, kept)
-                for layer, cache in enumerate(copies.kv_caches):
+                for layer, cache in enumerate(caches):
                     layout.scatter_chunks(cache, run[skip:chunk.num_tokens], head[:, layer])
                 if k == 1:
                     continue
                 records, run = records[1:], run[chunk.num_tokens:]
-            for layer, cache in enumerate(copies.kv_caches):
+            for layer, cache in enumerate(caches):
                 layout.scatter_chunks(cache, run, records[:, layer])

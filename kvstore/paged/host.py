@@ -27,7 +27,7 @@ import torch
 from kvstore.buffers import BufferPool, Lease
 from kvstore.keys import ChunkKey, InputSpan, Namespace
 from kvstore.paged.kernels import BlockBytes, host_bytes, host_copy, host_layers
-from kvstore.paged.layouts import PagedLayout
+from kvstore.paged.layouts import HeadSlice, PagedLayout
 from kvstore.paged.tensors import HiddenOf, tensor_bytes
 from kvstore.prefix_cache import ChunkPayload, LoadResult, PrefixCache
 from kvstore.record import Record
@@ -59,16 +59,19 @@ class HostCopies:
     def lands_in_cache(self) -> bool:
         return self._landing is not None
 
-    def _shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
-        return [self.layout.chunk_shape(self.kv_caches[0], num_tokens)] * len(self.kv_caches)
+    def _shapes(self, num_tokens: int, part: HeadSlice | None = None) -> list[tuple[int, ...]]:
+        cache = self.kv_caches[0]
+        shape = self.layout.chunk_shape(cache, num_tokens) if part is None else \
+            self.layout.record_shape(cache, num_tokens, part.record_heads)
+        return [shape] * len(self.kv_caches)
 
-    def _staging_shape(self, num_tokens: int) -> tuple[int, ...]:
-        return (len(self.kv_caches), *self.layout.chunk_shape(self.kv_caches[0], num_tokens))
+    def _staging_shape(self, num_tokens: int, part: HeadSlice | None = None) -> tuple[int, ...]:
+        return (len(self.kv_caches), *self._shapes(num_tokens, part)[0])
 
-    def _host_staging(self, num_tokens: int) -> tuple[torch.Tensor, Lease | None]:
-        """Host memory for one chunk of every layer: a pool lease (the caller releases it), or,
-        when the pool is full, a tensor of its own (``None`` lease)."""
-        shape = self._staging_shape(num_tokens)
+    def _host_staging(self, num_tokens: int, part: HeadSlice | None = None) -> tuple[torch.Tensor, Lease | None]:
+        """Host memory for one chunk of every layer (of a record of ``part``'s heads): a pool lease
+        (the caller releases it), or, when the pool is full, a tensor of its own (``None`` lease)."""
+        shape = self._staging_shape(num_tokens, part)
         nbytes = math.prod(shape) * self.kv_caches[0].element_size()
         lease = self.pool.lease(nbytes)
         if lease is None:
@@ -118,23 +121,44 @@ class HostCopies:
     # -- load ------------------------------------------------------------------------------
     def load(self, tokens: np.ndarray, keys: Sequence[ChunkKey], slots: torch.Tensor, skip_tokens: int, *,
              namespace: Namespace | None, before_place: Callable[[ChunkKey, Record], None] | None,
-             hidden_dtype: str | None, hidden_shape: Sequence[int] | None) -> LoadResult:
-        """``KVTransfer.load_sequence``'s load of ``keys`` (all ending after ``skip_tokens``)."""
+             hidden_dtype: str | None, hidden_shape: Sequence[int] | None, part: HeadSlice | None = None,
+             counted: bool = True) -> LoadResult:
+        """``KVTransfer.load_sequence``'s load of ``keys`` (all ending after ``skip_tokens``); with
+        ``part``, of records holding other heads than the cache, of which ``part`` is copied (each
+        record verified whole in its lease first, then those heads scattered)."""
         def sink(chunk: ChunkKey, record: Record) -> None:
             if before_place is not None:
                 before_place(chunk, record)
-            if not record.landed:
+            if part is not None:
+                self._scatter_part(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start), part)
+            elif not record.landed:
                 self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
 
-        landing = self._landing
+        landing = self._landing if part is None else None
         land = None
         if landing is not None:
             def land(chunk: ChunkKey) -> list[memoryview] | None:
                 # Never into blocks before skip_tokens: they may be shared with other requests.
                 return landing.targets(slots[chunk.start:chunk.end]) if chunk.start >= skip_tokens else None
 
-        return self.cache.load(tokens, keys, sink, land=land, shapes=lambda c: self._shapes(c.num_tokens),
-                               namespace=namespace, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape)
+        return self.cache.load(tokens, keys, sink, land=land, shapes=lambda c: self._shapes(c.num_tokens, part),
+                               namespace=namespace, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape,
+                               counted=counted)
+
+    def _scatter_part(self, slots: torch.Tensor, kv: Buffer, skip: int, part: HeadSlice) -> None:
+        """``part``'s heads of a record's KV bytes into the cache at ``slots[skip:]`` (staged first:
+        torch's copies need the bytes typed and aligned)."""
+        host, lease = self._host_staging(slots.numel(), part)
+        try:
+            np.copyto(host.view(-1).view(torch.uint8).numpy(), np.frombuffer(kv, dtype=np.uint8))
+            layout = self.layout
+            for layer, cache in enumerate(self.kv_caches):
+                rows = self._token_rows(host[layer], slots.numel(), skip) if skip else host[layer]
+                src = layout.narrow_heads(rows, part.src_at, part.count, staging=True)
+                layout.scatter(layout.narrow_heads(cache, part.dst_at, part.count), slots[skip:], src.contiguous())
+        finally:
+            if lease is not None:
+                lease.release()
 
     def _token_rows(self, staging: torch.Tensor, num_tokens: int, skip: int) -> torch.Tensor:
         """The part of one layer's staging (``chunk_shape(num_tokens)``) after its first ``skip`` tokens."""

@@ -12,6 +12,13 @@ tensor of ``chunk_shape(cache, n)``:
 * ``name``: recorded in the ``Namespace`` (``layout``), so differently laid-out bytes never
   share a key; ``granularity``: ``"token"`` (any slot list) or ``"block"`` (whole blocks only).
 
+**KV heads.** Attention layouts hold each token's KV per KV head along one axis of the cache and
+of the staging (``head_axes``; MLA's latent has none), so a record may hold a range of heads
+(``kvstore.keys.HeadRange``) and a reader holding other heads copies only the heads both hold
+(``record_shape``: a record of ``h`` heads; ``narrow_heads``: the cache's or the staging's
+view of some heads, which ``scatter`` and ``scatter_chunks`` accept like any strided cache). On
+vLLM's CPU pages a head's page is a whole item of each block, so this holds there too.
+
 Block-granular layouts (pages whose contents are opaque, e.g. vLLM's CPU attention packing)
 take the slots of whole blocks only: ``len(slots)`` a multiple of ``block_size`` and each run of
 ``block_size`` slots one block in order; they copy pages as opaque bytes.
@@ -27,6 +34,7 @@ kernels (``kvstore.paged.kernels``), which ``KVTransfer`` prefers on the CPU.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -34,7 +42,19 @@ import torch
 from kvstore.paged.kernels import HostLayer, np_items
 from kvstore.paged.tensors import as_int64, try_view
 
-__all__ = ["PagedLayout", "FlashLayout", "BHNCLayout", "CPUPackedLayout", "MLALayout", "LAYOUTS", "get_layout"]
+__all__ = ["PagedLayout", "FlashLayout", "BHNCLayout", "CPUPackedLayout", "MLALayout", "LAYOUTS", "get_layout",
+           "HeadSlice"]
+
+
+@dataclass(frozen=True)
+class HeadSlice:
+    """What a load copies of a record of ``record_heads`` KV heads into a cache holding others:
+    ``count`` heads from the record's head ``src_at`` into the cache's head ``dst_at``."""
+
+    record_heads: int
+    src_at: int
+    dst_at: int
+    count: int
 
 
 def _check_range(index: torch.Tensor, size: int, what: str) -> None:
@@ -53,6 +73,8 @@ class PagedLayout(ABC):
     name: str
     #: ``"token"``: any slots; ``"block"``: the slots of whole blocks only.
     granularity: Literal["token", "block"]
+    #: ``(cache axis, chunk_shape axis)`` along which KV heads lie; None: not cut by head.
+    head_axes: tuple[int, int] | None = None
 
     @abstractmethod
     def block_size(self, cache: torch.Tensor) -> int:
@@ -108,6 +130,27 @@ class PagedLayout(ABC):
         """``cache`` (on the CPU) as numpy items for ``kernels.host_copy``, in ``chunk_shape`` order;
         None where only ``gather``/``scatter`` can copy it."""
         return None
+
+    def num_heads(self, cache: torch.Tensor) -> int:
+        """KV heads ``cache`` holds (1 for a layout not cut by head)."""
+        return 1 if self.head_axes is None else int(cache.shape[self.head_axes[0]])
+
+    def record_shape(self, cache: torch.Tensor, num_tokens: int, heads: int) -> tuple[int, ...]:
+        """``chunk_shape`` of a record holding ``heads`` KV heads (``cache`` may hold others)."""
+        shape = list(self.chunk_shape(cache, num_tokens))
+        if self.head_axes is not None:
+            shape[self.head_axes[1]] = heads
+        elif heads != 1:
+            raise ValueError(f"{self.name} is not cut by KV head; a record of {heads} heads cannot be one of it")
+        return tuple(shape)
+
+    def narrow_heads(self, t: torch.Tensor, start: int, count: int, *, staging: bool = False,
+                     lead: int = 0) -> torch.Tensor:
+        """The view of heads ``[start, start + count)`` of a cache (or, ``staging``, of a staging
+        tensor of ``chunk_shape`` order after ``lead`` leading axes): no copy."""
+        if self.head_axes is None:
+            raise ValueError(f"{self.name} is not cut by KV head")
+        return t.narrow(lead + self.head_axes[1 if staging else 0], start, count)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -235,6 +278,7 @@ class FlashLayout(_TokenLayout):
 
     name = "flash-2bnhd"
     _lead = 1
+    head_axes = (3, 2)
 
     def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
         if cache.dim() != 5 or cache.shape[0] != 2:
@@ -250,6 +294,7 @@ class BHNCLayout(_TokenLayout):
     """
 
     name = "vllm-bhnc"
+    head_axes = (1, 1)
 
     def _blocked(self, cache: torch.Tensor) -> torch.Tensor:
         if cache.dim() != 4:
@@ -277,6 +322,7 @@ class CPUPackedLayout(PagedLayout):
     """
 
     granularity: Literal["token", "block"] = "block"
+    head_axes = (1, 1)
 
     def __init__(self, isa: str = "vec") -> None:
         self.isa = isa

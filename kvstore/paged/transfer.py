@@ -10,6 +10,12 @@ paths, chosen once, when the transfer is built:
 * ``DeviceCopies`` (``kvstore.paged.device``) for accelerators: one gather pass and one D2H copy
   per save, DMAs from where records lie and verification on many threads per load, one scatter
   pass for the verified prefix.
+
+**KV heads.** A cache whose ``PrefixCache`` names a head range (``PrefixCache.heads``: the heads
+this rank holds) saves records of that range, and loads from records of any ranges that cover it
+(``load_sequence``'s ``sources``, ``kvstore.heads.cover``): each source's records are received
+and verified whole, and only the heads both hold are copied into the cache; a load from its own
+range alone is the plain one (records landed in the blocks where they can be).
 """
 
 from __future__ import annotations
@@ -20,10 +26,10 @@ import numpy as np
 import torch
 
 from kvstore.errors import ConfigError
-from kvstore.keys import ChunkKey, InputSpan, Namespace, TokenIds, prefix_keys, tokens_to_array
+from kvstore.keys import ChunkKey, HeadRange, InputSpan, Namespace, TokenIds, prefix_keys, tokens_to_array
 from kvstore.paged.device import DEFAULT_STAGING_BYTES, DeviceCopies
 from kvstore.paged.host import HostCopies
-from kvstore.paged.layouts import PagedLayout, get_layout
+from kvstore.paged.layouts import HeadSlice, PagedLayout, get_layout
 from kvstore.paged.tensors import dtype_name, tensor_bytes
 from kvstore.pinned import HostPinner
 from kvstore.prefix_cache import PrefixCache
@@ -80,10 +86,15 @@ class KVTransfer:
             problems.append(f"layout={ns.layout!r} (cache is {self.layout.name!r})")
         if ns.kv_dtype != dtype_name(self.dtype):
             problems.append(f"kv_dtype={ns.kv_dtype!r} (cache is {dtype_name(self.dtype)!r})")
-        if ns.block_size != self.block_size:
-            problems.append(f"block_size={ns.block_size} (cache has {self.block_size})")
+        if ns.block_size != self.block_size and not (ns.block_size == 1 and self.layout.granularity == "token"):
+            problems.append(f"block_size={ns.block_size} (cache has {self.block_size}; 1 for any block size of "
+                            f"a token layout)")
         if ns.layer_end - ns.layer_start != len(self.kv_caches):
             problems.append(f"layer range [{ns.layer_start}, {ns.layer_end}) for {len(self.kv_caches)} layers")
+        #: The KV heads this cache holds, as its records name them (None: records not cut by head).
+        self.heads = cache.heads
+        if self.heads is not None and self.layout.num_heads(first) != self.heads.count:
+            problems.append(f"heads {self.heads} for a cache of {self.layout.num_heads(first)} KV heads")
         if problems:
             raise ConfigError("namespace does not describe the KV cache: " + "; ".join(problems))
         if staging_bytes < 1:
@@ -121,6 +132,24 @@ class KVTransfer:
         return isinstance(self.copies, HostCopies) and self.copies.lands_in_cache
 
     # -- helpers ---------------------------------------------------------------------------
+    def _parts(self, sources: Sequence[HeadRange] | None) -> list[tuple[HeadRange | None, HeadSlice | None]]:
+        """Each source range with what of its records this cache takes (None: all, its own range)."""
+        own = self.heads
+        if sources is None or own is None or list(sources) == [own]:
+            return [(own, None)]
+        parts: list[tuple[HeadRange | None, HeadSlice | None]] = []
+        covered = 0
+        for source in sources:
+            both = source.overlap(own)
+            if both is None:
+                raise ValueError(f"heads {source} hold none of this cache's heads {own}")
+            parts.append((source, HeadSlice(source.count, both.start - source.start, both.start - own.start,
+                                             both.count)))
+            covered += both.count
+        if covered < own.count:
+            raise ValueError(f"heads {[str(s) for s in sources]} do not cover this cache's heads {own}")
+        return parts
+
     def usable_tokens(self, num_tokens: int) -> int:
         """How many leading tokens of a ``num_tokens`` sequence this layout can store or load."""
         if self.layout.granularity == "block":
@@ -172,7 +201,7 @@ class KVTransfer:
         else:
             n = arr.shape[0]
             keys = prefix_keys(self.cache.in_space(namespace or self.cache.namespace), arr,
-                               [self.usable_tokens(min(int(e), n)) for e in ends], spans=spans)
+                               [self.usable_tokens(min(int(e), n)) for e in ends], spans=spans, heads=self.heads)
         if not keys:
             return 0
         written = [k for k in keys if from_token is None or k.end > from_token] or keys
@@ -204,7 +233,8 @@ class KVTransfer:
                       namespace: Namespace | None = None, spans: Sequence[InputSpan] = (),
                       before_place: Callable[[ChunkKey, Record], None] | None = None,
                       hidden_dtype: torch.dtype | str | None = None,
-                      hidden_shape: Sequence[int] | None = None) -> tuple[int, torch.Tensor | None]:
+                      hidden_shape: Sequence[int] | None = None,
+                      sources: Sequence[HeadRange] | None = None) -> tuple[int, torch.Tensor | None]:
         """Load the longest stored prefix of ``tokens`` into ``slots``.
 
         Only chunks ending at or before ``max_tokens`` are considered. Each chunk is verified
@@ -221,6 +251,9 @@ class KVTransfer:
         take. Returns ``(tokens present: skip_tokens or the end of the loaded prefix, hidden
         state of the last loaded token or None)``; the hidden state is a new CPU tensor.
         One batch read, no separate lookup: the records are fetched up to the first missing one.
+        ``sources``: the head ranges whose records to read, which must cover the cache's ``heads``
+        (``kvstore.heads.cover``; default: its own): one batch read per range, each up to where
+        the ranges before it got, and the prefix every one of them loaded counts.
         """
         arr = tokens_to_array(tokens)
         if skip_tokens < 0 or (self.layout.granularity == "block" and skip_tokens % self.block_size):
@@ -230,10 +263,16 @@ class KVTransfer:
         if not keys:
             return min(skip_tokens, arr.shape[0]), None
         slots = self._slots_on_device(slots, skip_tokens, keys[-1].end)
-        result = self.copies.load(arr[:keys[-1].end], keys, slots, skip_tokens, namespace=namespace,
-                                  before_place=before_place,
-                                  hidden_dtype=dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype)
-                                  else hidden_dtype, hidden_shape=hidden_shape)
+        parts = self._parts(sources)
+        hidden_name = dtype_name(hidden_dtype) if isinstance(hidden_dtype, torch.dtype) else hidden_dtype
+        for i, (source, part) in enumerate(parts):
+            result = self.copies.load(arr[:keys[-1].end], [k.with_heads(source) for k in keys], slots, skip_tokens,
+                                      namespace=namespace, before_place=before_place, hidden_dtype=hidden_name,
+                                      hidden_shape=hidden_shape, part=part, counted=i == 0)
+            if i + 1 < len(parts):  # the next range is read only as far as this one got
+                keys = [k for k in keys if k.end <= result.num_tokens]
+                if not keys:
+                    break
         hidden = None
         header = result.last_header
         if result.num_tokens and header is not None and result.hidden is not None and header.hidden_shape is not None:

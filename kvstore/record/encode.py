@@ -83,7 +83,8 @@ def encode_record_pieces(
     buffers taken in order (a paged cache's blocks: no gather; a codec chain joins them first).
     With the raw codec the payload pieces are views of ``kv`` and ``hidden`` themselves (no
     copy): ``owner``, the lease holding them, goes with the pieces so a store that keeps the
-    value past the call can retain it. With ``auth`` (the tenant's keys:
+    value past the call can retain it. The record holds the KV heads ``chunk.heads`` names (its
+    header says so; None: a record not cut by head). With ``auth`` (the tenant's keys:
     ``RecordAuth.for_salt(namespace.cache_salt)``) the record is signed with the current key.
     The trailer (tag, checksum) is computed as a store streams the pieces (``Pieces.stream``).
     """
@@ -131,6 +132,7 @@ def encode_record_pieces(
         "raw_len": raw_len,
         "payload_len": payload_len,
         "created": float(time.time() if created is None else created),
+        "heads": None if chunk.heads is None else list(chunk.heads.as_tuple()),
     }
     if auth is not None:
         fields["kid"] = auth.key_id

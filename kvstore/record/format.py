@@ -4,10 +4,10 @@ This module is what a record *is*: its layout, the fields of each version, the d
 may hold, and the header and record types readers get. Writing it is ``encode``; reading a
 header, ``parse``; accepting a whole record, ``decode``; landing one as it arrives, ``land``.
 
-Layout of format version 2, the one written (all integers little-endian)::
+Layout of format version 3, the one written (all integers little-endian)::
 
     0   4  magic  b"KVSR"
-    4   2  format version (2)
+    4   2  format version (3)
     6   2  reserved, zero
     8   4  header length H
     12  4  crc32 of the header bytes
@@ -19,7 +19,9 @@ Header fields: ``v`` format version, ``ns`` namespace digest (32 B), ``key`` pre
 this chunk (16 B), ``start`` first token index, ``partial``, ``tokens`` the chunk's token ids
 (uint32-le bytes), ``dtype``, ``shapes`` one shape per stored tensor (typically one per layer),
 ``hidden`` ``[dtype, shape]`` or nil, ``codecs`` the chain applied to the KV bytes, ``raw_len``
-decoded KV length, ``payload_len``, ``created`` unix seconds. A signed record (``auth``) adds,
+decoded KV length, ``payload_len``, ``created`` unix seconds, ``heads`` ``[a, b, H]``: the
+record holds KV heads ``[a, b)`` of the model's ``H`` (its key names them too, ``kvstore.keys``),
+or nil for a record not cut by head. A signed record (``auth``) adds,
 last, ``kid`` the 8-byte id of the deployment key; its tag is the keyed BLAKE3 of every byte
 before it. The checksum, the record's last 8 bytes, is the xxh3-64 of every byte before it, so
 it binds the payload to its header (a payload spliced under another header fails) and a reader
@@ -30,9 +32,10 @@ The tag and checksum come after the payload so that a writer computes them as th
 leaves (``Pieces.stream``): each slice is hashed while it is in the CPU's cache for its send,
 instead of in a pass over memory of its own before the first byte can go.
 
-Format version 1 (still read, never written) had no trailer: the header held ``checksum``
-before ``created``, and a signed record ended its header with ``kid`` and ``tag``, the tag
-covering the header bytes before the tag value and the payload.
+Format version 2 (still read, never written) is version 3 without ``heads``: its records were
+keyed by their writer's tensor-parallel rank and size. Format version 1 had no trailer: the
+header held ``checksum`` before ``created``, and a signed record ended its header with ``kid``
+and ``tag``, the tag covering the header bytes before the tag value and the payload.
 
 Records are never unpickled: msgpack for the header, raw bytes after.
 """
@@ -56,15 +59,15 @@ MAGIC = b"KVSR"
 FRAME = struct.Struct("<4sHHII")
 FRAME_BYTES = FRAME.size
 MAX_HEADER_BYTES = 1 << 20
-SUPPORTED_VERSIONS = (1, 2)
+SUPPORTED_VERSIONS = (1, 2, 3)
 CHECKSUM_BYTES = SELF_CHECK_BYTES  # a record is a self-checked value: what a store's ArrivalDigest hashes
 #: Version 1: how a signed header ends (msgpack: fixstr "tag", bin8 of 32 bytes), then the tag.
 TAG_MARKER = b"\xa3tag\xc4" + bytes([TAG_BYTES])
 _COMMON_FIELDS = frozenset({"v", "ns", "key", "start", "partial", "tokens", "dtype", "shapes", "hidden", "codecs",
                             "raw_len", "payload_len", "created"})
 #: Per version: the header fields of every record, and those only a signed record has.
-FIELDS = {1: _COMMON_FIELDS | {"checksum"}, 2: _COMMON_FIELDS}
-SIGNED_FIELDS = {1: frozenset({"kid", "tag"}), 2: frozenset({"kid"})}
+FIELDS = {1: _COMMON_FIELDS | {"checksum"}, 2: _COMMON_FIELDS, 3: _COMMON_FIELDS | {"heads"}}
+SIGNED_FIELDS = {1: frozenset({"kid", "tag"}), 2: frozenset({"kid"}), 3: frozenset({"kid"})}
 
 #: dtype name -> element size. fp8 and integer types are stored raw (no shuffle benefit).
 DTYPES: dict[str, int] = {
@@ -94,6 +97,8 @@ class RecordHeader:
     #: Signed records: the id of the deployment key and the tag (both None when unsigned).
     key_id: bytes | None = None
     tag: bytes | None = None
+    #: ``(a, b, H)``: the record holds KV heads ``[a, b)`` of ``H`` (None: not cut by head).
+    heads: tuple[int, int, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +124,7 @@ class RecordHeader:
             "codecs": list(self.codecs), "raw_len": self.raw_len, "payload_len": self.payload_len,
             "checksum": self.checksum.hex(), "created": self.created,
             "signed": None if self.key_id is None else {"key_id": self.key_id.hex()},
+            "heads": None if self.heads is None else list(self.heads),
         }
 
 

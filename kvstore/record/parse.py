@@ -22,7 +22,7 @@ import msgpack
 
 from kvstore.buffers import byte_view
 from kvstore.errors import CorruptRecordError
-from kvstore.keys import ChunkKey, Namespace, TokenIds, tokens_to_array
+from kvstore.keys import MAX_HEADS, ChunkKey, Namespace, TokenIds, tokens_to_array
 from kvstore.record import codecs
 from kvstore.record.auth import KEY_ID_BYTES, TAG_BYTES
 from kvstore.record.format import (
@@ -84,6 +84,16 @@ def _dtype(value: Any, name: str) -> str:
     if type(value) is not str or value not in DTYPES:
         raise _fail(f"header field {name}={value!r} is not a known dtype", "header")
     return value
+
+
+def _heads(value: Any) -> tuple[int, int, int] | None:
+    """The header's ``heads``: nil, or ``[a, b, H]`` with ``0 <= a < b <= H <= MAX_HEADS``."""
+    if value is None:
+        return None
+    if type(value) is not list or len(value) != 3 or any(type(v) is not int for v in value) \
+            or not 0 <= value[0] < value[1] <= value[2] <= MAX_HEADS:
+        raise _fail(f"header field heads={value!r} is not [start, end, total] of a head range", "header")
+    return value[0], value[1], value[2]
 
 
 def _unique_map(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
@@ -225,6 +235,7 @@ def parse_header(view: memoryview, size: int | None = None) -> tuple[RecordHeade
         created=float(created),
         key_id=h.get("kid"),
         tag=tag,
+        heads=_heads(h.get("heads")),
     )
     _check_lengths(header, payload_end - payload_at)
     return header, payload_at
@@ -262,6 +273,9 @@ def check_expected(header: RecordHeader, namespace: Namespace | None, chunk: Chu
         if header.start != chunk.start or header.partial != chunk.partial or header.num_tokens != chunk.num_tokens:
             raise _fail(f"record covers tokens from {header.start} ({header.num_tokens}, partial={header.partial}), "
                         f"expected chunk {chunk.start}..{chunk.end}", "tokens")
+        wanted = None if chunk.heads is None else chunk.heads.as_tuple()
+        if header.heads != wanted:
+            raise _fail(f"record holds heads {header.heads}, expected {wanted}", "heads")
     if tokens is not None and header.tokens != tokens_to_array(tokens).tobytes():
         raise _fail("record token ids differ from the requested prefix", "tokens")
     if dtype is not None and header.dtype != dtype:

@@ -42,7 +42,7 @@ Contract, for every backend:
   durable in the backend (background queues) and says whether they all landed.
 * ``tiers`` lists the stores a lookup is answered from, fastest first, each with its name and
   measured speed; ``longest_prefix_by_tier`` says how many leading keys each holds, one round
-  trip per tier. A single store is one tier: itself. Callers (the cost model, a scheduler) use
+  trip per tier, and ``exists_by_tier`` which keys each holds, one round trip per tier too. A single store is one tier: itself. Callers (the cost model, a scheduler) use
   these instead of asking which kind of store they hold.
 * ``pin_host_memory(pinner)``: a store whose values lie in this host's memory (a memory tier, a
   shared-memory mapping) registers that memory with an accelerator through ``pinner``
@@ -240,6 +240,11 @@ class Store(ABC):
         tier. A tiered store may leave tiers after one that holds every key unasked (0)."""
         return [self.longest_prefix(keys)]
 
+    def exists_by_tier(self, keys: Sequence[str]) -> list[list[bool]]:
+        """Which of ``keys`` each of ``tiers`` holds, in that order; one round trip per tier. A
+        tiered store may leave tiers after those that together hold every key unasked (all False)."""
+        return [self.exists_many(keys)]
+
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         """Stored length of each key's value (``None`` if absent); for stats, not the hot path."""
         out: list[int | None] = []
@@ -370,6 +375,9 @@ class WrapperStore(Store):
 
     def longest_prefix_by_tier(self, keys: Sequence[str]) -> list[int]:
         return self.inner.longest_prefix_by_tier(keys)
+
+    def exists_by_tier(self, keys: Sequence[str]) -> list[list[bool]]:
+        return self.inner.exists_by_tier(keys)
 
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         return self.inner.size_many(keys)

@@ -1,8 +1,17 @@
 """What the connector needs to know about the vLLM engine it runs in, as plain values.
 
 ``engine_facts`` reads them from vLLM's config (the same answer in the scheduler and every
-worker); ``build_namespace`` turns them into the namespace of one tensor-parallel rank's
-records of one KV cache group and the paged layout its KV is copied with.
+worker); ``build_namespace`` turns them into the namespace of one KV cache group's records and
+the paged layout its KV is copied with; ``group_heads`` says which KV heads a tensor-parallel
+rank holds of it (the records it writes and needs, ``kvstore.heads``).
+
+**What the namespace names.** What changes the bytes of a record: the model and its fingerprint,
+the KV dtype, the chunk size, the head size, the layout family (GPU backends: one token-row form,
+``vllm-bhnc``, whatever their block size; vLLM CPU: its packed pages, per ISA and block size,
+with vLLM's minor release) and, for a model of several KV cache groups, the group. Not who wrote
+it: attention records name the KV heads they hold in their keys, so engines of any
+tensor-parallel size and any GPU attention backend share them. Records that cannot be cut by
+head keep their writer's rank and size (recurrent state) or are stored once (MLA's latent).
 ``check_vllm_version`` refuses vLLM versions whose connector API this package was not written
 against.
 
@@ -33,7 +42,8 @@ from kvstore.connectors.model import model_fingerprint
 from kvstore.connectors.options import DEFAULT_CHUNK_TOKENS
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.errors import ConfigError
-from kvstore.keys import InputSpan, Namespace, check_chunk_tokens
+from kvstore.heads import rank_heads, writes_heads
+from kvstore.keys import HeadRange, InputSpan, Namespace, check_chunk_tokens
 from kvstore.paged import BHNCLayout, CPUPackedLayout, MLALayout, PagedLayout, dtype_name
 from kvstore.record import DTYPES
 
@@ -42,7 +52,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 __all__ = ["VLLM_MINORS", "VLLM_MINOR", "SUPPORTED_VLLM", "vllm_minor", "EngineFacts", "KVGroup", "check_vllm_version", "model_fingerprint",
-           "choose_layout", "build_namespace", "engine_facts", "group_kind", "resolve_chunk_tokens", "STATE_LAYOUT"]
+           "choose_layout", "build_namespace", "legacy_namespace", "group_heads", "engine_facts", "group_kind",
+           "resolve_chunk_tokens", "STATE_LAYOUT"]
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -130,6 +141,10 @@ class KVGroup:
     checkpoints: bool = False
     #: Whether every TP rank holds the same cache for this group (a replicated state).
     tp_replicated: bool = False
+    #: Attention groups: the model's KV heads in these layers (all ranks together) and the size of
+    #: one head's K (and V); 0: records not cut by head (one shard per TP rank).
+    kv_heads: int = 0
+    head_size: int = 0
 
     @property
     def every_chunk(self) -> bool:
@@ -146,6 +161,12 @@ class KVGroup:
         """Whether every TP rank holds the same KV for this group (MLA's latent, a replicated
         state): stored once."""
         return self.kind == "mla" or self.tp_replicated
+
+    @property
+    def head_ranged(self) -> bool:
+        """Whether this group's records hold KV head ranges (attention KV cut by head across TP
+        ranks) rather than one TP rank's shard, or one copy for all."""
+        return self.kind in ("full", "sliding", "local") and self.kv_heads > 0
 
     @property
     def state_tensor_bytes(self) -> tuple[int, ...]:
@@ -186,12 +207,17 @@ class EngineFacts:
     mm_hashed: bool = True
     #: This engine's data-parallel rank (KV events shift their ports by it, as vLLM's do).
     data_parallel_rank: int = 0
+    #: The model's KV heads (all TP ranks) and head size, for the one group ``kv_groups`` makes
+    #: when ``groups`` is empty (0: its records are one shard per TP rank).
+    kv_heads: int = 0
+    head_size: int = 0
 
     @property
     def kv_groups(self) -> tuple[KVGroup, ...]:
         """The KV cache groups, a single full-attention one when ``groups`` is empty."""
         return self.groups or (KVGroup(0, "full", tuple(str(i) for i in range(self.num_layers)),
-                                       bytes_per_token=self.bytes_per_token, isa=self.isa),)
+                                       bytes_per_token=self.bytes_per_token, isa=self.isa,
+                                       kv_heads=self.kv_heads, head_size=self.head_size),)
 
     @property
     def restorable(self) -> bool:
@@ -225,20 +251,24 @@ def resolve_chunk_tokens(opts: VLLMConnectorOptions, facts: EngineFacts) -> VLLM
 
 def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int,
                     group: KVGroup | None = None) -> tuple[Namespace, PagedLayout | None]:
-    """The namespace of one TP rank's records of one KV cache group (default: the first), and
-    the layout its records are copied with (None for a recurrent-state group: its records hold
-    state pages, ``kvstore.paged.StateTransfer``).
+    """The namespace of one KV cache group's records (default: the first) as TP rank ``tp_rank``
+    reads and writes them, and the layout its records are copied with (None for a
+    recurrent-state group: its records hold state pages, ``kvstore.paged.StateTransfer``).
 
-    An engine with one KV cache group keeps the namespace it always had; with several, each
-    group's namespace names the group (its index, kind, window and layers), so a model's groups
-    never share a record, and engines that group layers differently never share one either. A
-    recurrent-state group's also names the state (vLLM's backend, every state tensor's shape and
-    dtype) and vLLM's release, so a state record is never read as KV nor as another state.
+    Attention groups cut by head (``KVGroup.head_ranged``) have one namespace for every rank and
+    every TP size; their records name their heads (``group_heads``). MLA's latent is one copy for
+    every rank; a recurrent state, or a group whose heads are unknown, one shard per rank
+    (``tp_rank``, ``tp_size``). Token-row layouts (GPU backends) name no block size: their records
+    do not depend on it. With several groups, each group's namespace names the group (its index,
+    kind, window and layers), so a model's groups never share a record, and engines that group
+    layers differently never share one either. A recurrent-state group's also names the state
+    (vLLM's backend, every state tensor's shape and dtype) and vLLM's release, so a state record
+    is never read as KV nor as another state.
     """
     check_chunk_tokens(opts.chunk_tokens, facts.block_size)
     groups = facts.kv_groups
     g = group or groups[0]
-    extra = [("engine", "vllm"), ("backend", facts.backend), ("kv_cache_layout", facts.kv_cache_layout)]
+    extra = [("engine", "vllm")]
     layout: PagedLayout | None = None
     if g.kind == "state":
         layout_name, kv_dtype, block_size = STATE_LAYOUT, "uint8", g.block_size or facts.block_size
@@ -248,15 +278,19 @@ def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int
     else:
         layout = MLALayout() if g.kind == "mla" else choose_layout(facts.device_type,
                                                                    isa=g.isa if facts.groups else facts.isa)
-        layout_name, kv_dtype, block_size = layout.name, facts.kv_dtype, facts.block_size
+        layout_name, kv_dtype = layout.name, facts.kv_dtype
+        # Token rows do not depend on the engine's block size; packed pages do.
+        block_size = facts.block_size if layout.granularity == "block" else 1
         if layout.granularity == "block":
             extra.append(("vllm_minor", facts.vllm_release))  # packed page formats may change between releases
+        if g.head_size:
+            extra.append(("head_size", str(g.head_size)))
     num_layers = facts.num_layers
     if len(groups) > 1:
         layers = hashlib.sha256("\n".join(g.layers).encode()).hexdigest()[:16]
         extra.append(("kv_group", f"{g.index}/{len(groups)}:{g.kind}:{g.window}:{layers}"))
         num_layers = len(g.layers)
-    if g.replicated:  # one copy for every TP rank
+    if g.replicated or g.head_ranged:  # one copy for every TP rank, or records named by their heads
         tp_rank, tp_size = 0, 1
     else:
         tp_size = facts.tp_size
@@ -266,6 +300,37 @@ def build_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int
         tp_rank=tp_rank, tp_size=tp_size, model_fingerprint=facts.fingerprint, extra=tuple(extra),
     )
     return ns, layout
+
+
+def group_heads(facts: EngineFacts, group: KVGroup, tp_rank: int) -> tuple[HeadRange | None, bool]:
+    """The KV heads TP rank ``tp_rank`` holds of ``group`` (None: its records are not cut by
+    head) and whether it writes their records (of the ranks that replicate a head, the first)."""
+    if not group.head_ranged:
+        return None, not group.replicated or tp_rank == 0
+    return rank_heads(tp_rank, facts.tp_size, group.kv_heads), writes_heads(tp_rank, facts.tp_size, group.kv_heads)
+
+
+def legacy_namespace(facts: EngineFacts, opts: VLLMConnectorOptions, tp_rank: int, tp_size: int,
+                     group: KVGroup | None = None) -> Namespace:
+    """The namespace record format 2 gave ``group``'s records of TP rank ``tp_rank`` of ``tp_size``
+    (before records named their heads): what a miss probes to tell "written before this release"
+    from "never written" (its keys have no head range). An attention group only."""
+    groups = facts.kv_groups
+    g = group or groups[0]
+    layout = MLALayout() if g.kind == "mla" else choose_layout(facts.device_type, isa=g.isa if facts.groups else facts.isa)
+    extra = [("engine", "vllm"), ("backend", facts.backend), ("kv_cache_layout", facts.kv_cache_layout)]
+    if layout.granularity == "block":
+        extra.append(("vllm_minor", facts.vllm_release))
+    num_layers = facts.num_layers
+    if len(groups) > 1:
+        layers = hashlib.sha256("\n".join(g.layers).encode()).hexdigest()[:16]
+        extra.append(("kv_group", f"{g.index}/{len(groups)}:{g.kind}:{g.window}:{layers}"))
+        num_layers = len(g.layers)
+    if g.replicated:
+        tp_rank, tp_size = 0, 1
+    return Namespace(model=facts.model, kv_dtype=facts.kv_dtype, layout=layout.name, block_size=facts.block_size,
+                     chunk_tokens=opts.chunk_tokens, layer_start=0, layer_end=num_layers, tp_rank=tp_rank,
+                     tp_size=tp_size, model_fingerprint=facts.fingerprint, extra=tuple(extra), format_version=2)
 
 
 def group_kind(spec: Any) -> str:
@@ -363,7 +428,8 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         groups.append(KVGroup(
             index=index, kind=kind, layers=layers, window=int(window or 0),
             bytes_per_token=int(getattr(spec, "page_size_bytes", 0) or 0) * len(layers) // int(spec.block_size),
-            isa=isa_of(spec)))
+            isa=isa_of(spec), kv_heads=0 if kind == "mla" else _total_kv_heads(spec, model_config, parallel),
+            head_size=int(getattr(spec, "head_size", 0) or 0)))
     attention = [g for g in groups if g.kind != "state"]
     first = attention[0] if attention else groups[0]
     spec = vllm_groups[first.index].kv_cache_spec
@@ -395,10 +461,22 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         bytes_per_token=sum(g.bytes_per_token for g in sized),
         scheduling_lag=1 if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) else 0,
         groups=tuple(groups),
+        kv_heads=first.kv_heads, head_size=first.head_size,
         vllm_release="{}.{}".format(*vllm_minor(vllm.__version__)),
         mm_hashed=_mm_content_hashed(vllm_config),
         data_parallel_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
     )
+
+
+def _total_kv_heads(spec: Any, model_config: Any, parallel: Any) -> int:
+    """The KV heads of a group's layers across every TP rank: vLLM's spec holds one rank's
+    (``num_kv_heads``); with more ranks than heads each rank holds one head, which several share."""
+    local = int(getattr(spec, "num_kv_heads", 0) or 0)
+    tp = int(parallel.tensor_parallel_size)
+    total = getattr(model_config, "get_total_num_kv_heads", None)
+    if local == 1 and tp > 1 and callable(total) and int(total()) < tp:
+        return int(total())
+    return local * tp
 
 
 def _is_state(spec: Any) -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvstore.keys import InputSpan
+from kvstore.keys import HeadRange, InputSpan
 
 __all__ = ["LoadSpec", "SaveSpec", "KVStoreConnectorMetadata"]
 
@@ -28,6 +28,10 @@ class LoadSpec:
     background: bool = False
     #: The prompt's multimodal inputs, part of its chunk keys (``kvstore.keys.InputSpan``).
     spans: tuple[InputSpan, ...] = ()
+    #: Per stored group cut by KV head, the head ranges whose records the lookup found covering
+    #: the hit (each rank reads those covering its heads, ``kvstore.heads.cover``); empty: the
+    #: ranks' own.
+    heads: list[list[HeadRange]] = field(default_factory=list)
 
 
 @dataclass

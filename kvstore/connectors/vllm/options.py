@@ -118,6 +118,17 @@ class VLLMConnectorOptions:
         "prefix hit at the last such end before they differ; recurrent-state groups (Qwen3-Next, Mamba hybrids...) "
         "store the state at those of the same ends where a prefill step of vLLM's ends. What such a group stores "
         "per prompt is its window (or one state) times the number of those ends.")
+    writer_tp_max: int = option(
+        8, lo=1, hi=1024, help="Read records written by engines of another tensor-parallel size: when a lookup "
+        "does not find every chunk in the records of this engine's own KV head ranges, it asks (in one more "
+        "round trip per tier) for those of writers of every power-of-two TP size up to this, and each rank "
+        "joins finer records or slices a coarser one (docs/vllm.md, Keys). 1: TP=1 writers' records only.")
+    miss_probe_interval: float = option(
+        10.0, kind="duration", lo=0.0, hi=86400.0,
+        help="A lookup that finds nothing asks, off the scheduler's step and at most once per this many seconds, "
+        "whether the prompt's first chunk is stored under another engine configuration (KV dtype, chunk_tokens, "
+        "CPU ISA, or before record format 3), and counts the miss by what it found in "
+        "kvstore_lookup_misses_total{reason} (docs/vllm.md, Keys). 0: never asks (reason=\"unprobed\").")
     kv_events_endpoint: str = option(
         "", help="Publish KV events for routers (docs/routing.md): BlockStored for what this engine saves, "
         "BlockRemoved for its tiers' evictions, in vLLM's wire format on this ZMQ PUB address (e.g. "

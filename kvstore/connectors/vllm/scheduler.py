@@ -7,6 +7,16 @@ Nothing here waits on the network beyond ``lookup_wait``:
   every TP rank's shard) on a small thread pool and answers ``None`` ("ask again later") until it
   is done; vLLM keeps scheduling other requests meanwhile. A lookup still unanswered after
   ``lookup_timeout`` is a miss. Results are cached per request.
+* **Any TP size's records.** Attention KV is stored by KV head range (``kvstore.heads``): the
+  lookup asks first for the records of the ranges this engine's ranks hold (one
+  ``exists_by_tier`` call); only if those do not cover every chunk, for the ranges writers of
+  other TP sizes write (``writer_tp_max``), in one more call. A chunk counts only if every KV head
+  of every group is covered; the ranges found go to the workers in the ``LoadSpec``, and each
+  rank reads the records covering its heads (``kvstore.heads.cover``).
+* **Why a lookup missed.** A lookup that found nothing asks, in a task of its own on the lookup
+  pool and at most once per ``miss_probe_interval``, whether the prompt's first chunk is stored
+  under a sibling configuration (another KV dtype, chunk size or CPU ISA, or record format 2) and
+  counts the miss by the answer (``kvstore_lookup_misses_total{reason}``).
 * **Load or recompute** (``kvstore.cost``): the lookup knows how many leading chunks each tier
   holds; the cost model picks how many are worth loading from the measured tier speeds and the
   engine's prefill speed. The workers measure both (``measure``: their reads, the forwards of
@@ -48,7 +58,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvstore.connectors.vllm.disagg import (
@@ -60,7 +70,7 @@ from kvstore.connectors.vllm.disagg import (
     wants_remote_decode,
     wants_remote_prefill,
 )
-from kvstore.connectors.vllm.facts import EngineFacts, build_namespace, input_spans
+from kvstore.connectors.vllm.facts import EngineFacts, build_namespace, group_heads, input_spans, legacy_namespace
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.connectors.vllm.plan import (
@@ -77,19 +87,22 @@ from kvstore.connectors.vllm.plan import (
 from kvstore.connectors.vllm.stats import measurements_from_data
 from kvstore.cost import CostModel
 from kvstore.errors import KVStoreError
-from kvstore.keys import ChunkKey, InputSpan, TokenIds
+from kvstore.heads import candidate_ranges, covered_count, lookup_tp_sizes
+from kvstore.keys import ChunkKey, HeadRange, InputSpan, Namespace, TokenIds, chunk_keys
 from kvstore.lookup_service import register_prefix_lookup
 from kvstore.metrics.catalog import (
     BYPASSED,
     DECODE_CHUNKS,
     LOOKUP_FAILURES,
+    LOOKUP_MISSES,
     PD_LOAD_FAILURES,
     PD_LOADED_TOKENS,
     PD_PROMISES,
     PD_WAIT,
 )
 from kvstore.metrics.server import MetricsServer, start_on_free_port
-from kvstore.prefix_cache import PrefixCache, stored_by_tier
+from kvstore.prefix_cache import PrefixCache, Source, covered_by_tier
+from kvstore.record import DTYPES
 from kvstore.stores import Store
 from kvstore.stores.speed import LinkSpeed
 
@@ -114,10 +127,13 @@ def live_schedulers() -> list[SchedulerSide]:
 @dataclass(frozen=True)
 class _Answer:
     """A lookup's answer: the tokens worth loading, and the tokens every tier already holds
-    (those are never saved again, even when the cost model recomputes them)."""
+    (those are never saved again, even when the cost model recomputes them); the chunks found
+    (before the cost model) and, per head-ranged group, the head ranges whose records cover them."""
 
     load: int = 0
     everywhere: int = 0
+    found: int = 0
+    heads: dict[int, tuple[HeadRange, ...]] = field(default_factory=dict)
 
 
 @dataclass
@@ -148,6 +164,7 @@ class _Pending:
     end: int
     block_ids: list[list[int]]  # per stored KV cache group
     background: bool
+    heads: dict[int, tuple[HeadRange, ...]] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -177,12 +194,32 @@ class SchedulerSide:
         self._block_ids = block_ids
         self._lag = lag
         self._clock = clock
-        # One prefix cache per KV cache group and TP rank: a hit needs every rank's shard of every group.
-        self.group_caches = [[PrefixCache(store, build_namespace(facts, opts, rank, group)[0], codec=opts.codec,
-                                          auth=opts.record_auth())
-                              for rank in range(1 if group.replicated else facts.tp_size)]
-                             for group in self.groups]
-        self.caches = self.group_caches[0] if self.group_caches else []  # the first group's, per rank
+        # Per stored group, the prefix caches of the records this engine's ranks need, and the units
+        # each covers: one per KV head range its ranks hold (attention cut by head; a hit needs every
+        # head), one for MLA's single copy, one per rank's shard (recurrent state); and, for groups
+        # cut by head, the ranges writers of other TP sizes write (asked only when those fall short).
+        self.facts = facts
+        self.group_caches: list[list[PrefixCache]] = []
+        self._units: list[list[HeadRange]] = []
+        self._more: list[list[HeadRange]] = []
+        sizes = lookup_tp_sizes(facts.tp_size, opts.writer_tp_max)
+        for group in self.groups:
+            auth = opts.record_auth()
+            if group.head_ranged:
+                ns = build_namespace(facts, opts, 0, group)[0]
+                own = sorted({group_heads(facts, group, r)[0] for r in range(facts.tp_size)} - {None})  # type: ignore[type-var]
+                caches = [PrefixCache(store, ns, codec=opts.codec, auth=auth, heads=h) for h in own]
+                units: list[HeadRange] = list(own)  # type: ignore[arg-type]
+                more = [h for h in candidate_ranges(group.kv_heads, sizes) if h not in units]
+            else:
+                ranks = 1 if group.replicated else facts.tp_size
+                caches = [PrefixCache(store, build_namespace(facts, opts, r, group)[0], codec=opts.codec, auth=auth)
+                          for r in range(ranks)]
+                units, more = [HeadRange(r, r + 1, ranks) for r in range(ranks)], []
+            self.group_caches.append(caches)
+            self._units.append(units)
+            self._more.append(more)
+        self.caches = self.group_caches[0] if self.group_caches else []  # the first group's
         self._full = [i for i, g in enumerate(self.groups) if g.every_chunk]
         self._windowed = [i for i, g in enumerate(self.groups) if g.windowed]
         self._state = [i for i, g in enumerate(self.groups) if g.kind == "state"]
@@ -205,6 +242,8 @@ class SchedulerSide:
         self._saved_upto: dict[str, int] = {}
         self._announced: dict[str, int] = {}  # req -> tokens the KV events announced (hybrid models)
         self._planned_saves: set[str] = set()  # requests a SaveSpec went out for (the worker knows them too)
+        self._found: dict[str, dict[int, tuple[HeadRange, ...]]] = {}  # req -> head ranges its hit reads
+        self._last_probe = float("-inf")  # when a miss last asked why (miss_probe_interval)
         self._step = 0
         # Disaggregated prefill: a producer answers every finished request with a promise; a
         # decode request's wait for one runs on its own pool (a wait may last its deadline).
@@ -241,13 +280,14 @@ class SchedulerSide:
     def chunk_keys(self, tokens: TokenIds, salt: str = "", spans: Sequence[InputSpan] = ()) -> list[ChunkKey]:
         """Keys of every chunk a hit on ``tokens`` (with the multimodal inputs ``spans``) needs
         from the groups that store every chunk (full attention; a model of windows only: the
-        window before the prompt's end), for every TP rank."""
+        window before the prompt's end), in the records of this engine's ranks (their head ranges,
+        or shards)."""
         arr = list(tokens)
         limit = lookup_limit(len(arr), self.block_size)
         out: list[ChunkKey] = []
         for i in self._full or self._windowed:
             g = self.groups[i]
-            for cache in self.group_caches[i]:
+            for cache in self.group_caches[i]:  # the records of this engine's ranks
                 keys = cache.keys(arr[:limit], namespace=cache.namespace.with_salt(salt), spans=spans)
                 if not self._full and keys:
                     keys = [keys[j] for j in window_chunks(keys[-1].end, g.window, self.block_size,
@@ -257,32 +297,63 @@ class SchedulerSide:
 
     # -- lookup ----------------------------------------------------------------------------------
     def _keyed(self, tokens: Sequence[int], limit: int, salt: str,
-               spans: Sequence[InputSpan]) -> dict[int, list[list[ChunkKey]]]:
-        """Per stored group, every shard's chunk keys of ``tokens[:limit]`` under ``salt``."""
+               spans: Sequence[InputSpan]) -> dict[int, list[Source]]:
+        """Per stored group, the chunk keys of ``tokens[:limit]`` under ``salt`` of each record
+        this engine's ranks need, with the units each covers (``_units``). The chain is hashed once
+        per namespace: head ranges differ only in their keys' suffix."""
         arr = list(tokens)[:limit]
-        return {i: [c.keys(arr, namespace=c.namespace.with_salt(salt), spans=spans) for c in self.group_caches[i]]
-                for i in range(len(self.groups))}
+        out: dict[int, list[Source]] = {}
+        for i, caches in enumerate(self.group_caches):
+            if self.groups[i].head_ranged:
+                first = caches[0]
+                keys = first.keys(arr, namespace=first.namespace.with_salt(salt), spans=spans)
+                out[i] = [(c.heads, keys if c is first else [k.with_heads(c.heads) for k in keys])  # type: ignore[misc]
+                          for c in caches]
+            else:
+                out[i] = [(u, c.keys(arr, namespace=c.namespace.with_salt(salt), spans=spans))
+                          for u, c in zip(self._units[i], caches)]
+        return out
+
+    def _other_writers(self, i: int, sources: Sequence[Source], upto: int | None = None) -> list[Source]:
+        """Group ``i``'s records of the head ranges other TP sizes write (none for a group not cut by head)."""
+        if not self._more[i] or not sources:
+            return []
+        keys = sources[0][1][:upto]
+        return [(h, [k.with_heads(h) for k in keys]) for h in self._more[i]]
 
     def _lookup(self, tokens: list[int], limit: int, salt: str, spans: tuple[InputSpan, ...]) -> _Answer:
-        """What of the stored prefix is worth loading (runs on the lookup pool; never raises)."""
-        return self._answer(self._keyed(tokens, limit, salt, spans))
+        """What of the stored prefix is worth loading (runs on the lookup pool; never raises). A
+        lookup that found nothing asks why, in a task of its own (``_count_miss``)."""
+        answer = self._answer(self._keyed(tokens, limit, salt, spans))
+        if not answer.found:
+            try:
+                self._pool.submit(self._count_miss, tokens[:limit], salt, spans)
+            except RuntimeError:  # closing
+                pass
+        return answer
 
-    def _answer(self, keyed: dict[int, list[list[ChunkKey]]], *, load_all: bool = False,
+    def _answer(self, keyed: dict[int, list[Source]], *, load_all: bool = False,
                 counted: bool = True) -> _Answer:
         """What of ``keyed``'s prefix the store holds and is worth loading: as the cost model
         decides, or (``load_all``) all of it. ``counted``: a lookup in the metrics (a P/D poll is not)."""
-        keys = keyed[0][0] if keyed else []
+        keys = keyed[0][0][1] if keyed and keyed[0] else []
         if not keys:
             return _Answer()
-        if self._full:  # every TP rank of every full group must hold its shard
-            per_tier = stored_by_tier(self.store, [shard for i in self._full for shard in keyed[i]], counted=counted)
+        if self._full:  # every head (or rank's shard) of every full group must be covered
+            covered = covered_by_tier(self.store, [keyed[i] for i in self._full],
+                                      more=[self._other_writers(i, keyed[i]) for i in self._full], counted=counted)
+            per_tier = covered.per_tier
+            # Heads that different tiers hold: the chunks beyond what one tier covers are counted
+            # as coming from the slowest one (the cost model weighs no load as faster than it is).
+            per_tier[-1] = max(per_tier[-1], covered.chunks)
         else:
-            per_tier = [len(keys)] * len(self.store.tiers)
+            covered, per_tier = None, [len(keys)] * len(self.store.tiers)
         if not any(per_tier):
             return _Answer()
-        servable = self._servable(keyed, max(per_tier))
+        found = max(per_tier)
+        servable, windows = self._servable(keyed, found)
         if not servable:
-            return _Answer()
+            return _Answer(found=found)
         # Each tier's leading chunks, cut back to the last end every group can serve there: the
         # cost model weighs only loads that can be hits (a P/D decode loads them all).
         usable = [max((j + 1 for j in range(n) if keys[j].end in servable), default=0) for n in per_tier]
@@ -296,34 +367,123 @@ class SchedulerSide:
         # Stored everywhere, and servable: a save never rewrites it. (A prefix the full groups hold
         # in every tier but no group can serve at its end is saved again: its window or state heals.)
         everywhere = min(usable) if self._full else 0
-        return _Answer(hit, keys[everywhere - 1].end if everywhere else 0)
+        heads: dict[int, tuple[HeadRange, ...]] = {}
+        if hit:
+            n = next(j + 1 for j, k in enumerate(keys) if k.end == hit)
+            for pos, i in enumerate(self._full):
+                if self.groups[i].head_ranged and covered is not None:
+                    heads[i] = tuple(covered.found(pos, n))
+            for i, found_at in windows.items():
+                heads[i] = tuple(found_at(hit))
+        return _Answer(hit, keys[everywhere - 1].end if everywhere else 0, found, heads)
 
-    def _servable(self, keyed: dict[int, list[list[ChunkKey]]], count: int) -> set[int]:
+    def _servable(self, keyed: dict[int, list[Source]], count: int) -> tuple[
+            set[int], dict[int, Callable[[int], list[HeadRange]]]]:
         """Ends among the first ``count`` chunks at which every windowed group holds the window
-        before the end and every state group the state at it (every end, without such groups).
-        One existence check for all."""
-        ends = [k.end for k in keyed[0][0][:count]]
+        before the end and every state group the state at it (every end, without such groups): a
+        chunk counts for a group when its records there cover every head (or rank's shard). One
+        existence check for the records of this engine's ranges, one more for other writers' when
+        those fall short. Also, per windowed group cut by head, which ranges' records hold the
+        whole window before a given end."""
+        ends = [k.end for k in keyed[0][0][1][:count]]
         limited = self._windowed + self._state
         if not limited:
-            return set(ends)
-        asked = [(self.groups[i], shard[:count]) for i in limited for shard in keyed[i]]
+            return set(ends), {}
+        asked = {i: [(u, keys[:count]) for u, keys in keyed[i]] for i in limited}
+        present: dict[int, dict[HeadRange, list[bool]]] = {i: {} for i in limited}
         try:
-            present = self.store.exists_many([k.key for _, shard in asked for k in shard])
+            self._exists(asked, present)
+            short = {i: self._other_writers(i, keyed[i], count) for i in limited
+                     if not all(self._held(i, present[i], len(ends)))}
+            if any(short.values()):
+                self._exists(short, present)
         except KVStoreError as exc:
             log.debug("lookup of window and state records failed: %s", exc)
             LOOKUP_FAILURES.inc(reason="error")
-            return set()
+            return set(), {}
         servable = set(ends)
-        pos = 0
-        for group, shard in asked:
-            held = present[pos:pos + len(shard)]
+        windows: dict[int, Callable[[int], list[HeadRange]]] = {}
+        for i in limited:
+            group = self.groups[i]
+            held = self._held(i, present[i], len(ends))
             if group.kind == "state":  # the state at exactly that end
                 servable &= {e for e, here in zip(ends, held) if here}
-            else:
-                servable &= servable_ends(ends, held, group.window, self.block_size, self.opts.chunk_tokens,
-                                          local=group.kind == "local")
-            pos += len(shard)
-        return servable
+                continue
+            local = group.kind == "local"
+            servable &= servable_ends(ends, held, group.window, self.block_size, self.opts.chunk_tokens, local=local)
+            if group.head_ranged:
+                def found_at(end: int, flags: dict[HeadRange, list[bool]] = present[i], g: Any = group) -> list[HeadRange]:
+                    span = window_chunks(end, g.window, self.block_size, self.opts.chunk_tokens, local=g.kind == "local")
+                    return sorted(u for u, f in flags.items() if all(f[span.start:span.stop]))
+                windows[i] = found_at
+        return servable, windows
+
+    def _exists(self, asked: dict[int, list[Source]], present: dict[int, dict[HeadRange, list[bool]]]) -> None:
+        """One ``exists_many`` for every key of ``asked``; each source's flags into ``present``."""
+        flat = [k.key for sources in asked.values() for _, keys in sources for k in keys]
+        answers = self.store.exists_many(flat) if flat else []
+        at = 0
+        for i, sources in asked.items():
+            for units, keys in sources:
+                present[i][units] = answers[at:at + len(keys)]
+                at += len(keys)
+
+    def _held(self, i: int, flags: dict[HeadRange, list[bool]], count: int) -> list[bool]:
+        """Per chunk of the first ``count``, whether group ``i``'s records there cover every unit."""
+        if not flags:
+            return [False] * count
+        total = next(iter(flags)).total
+        return [covered_count({u: int(f[j]) for u, f in flags.items() if j < len(f)}, total) > 0
+                for j in range(count)]
+
+    def _count_miss(self, tokens: list[int], salt: str, spans: tuple[InputSpan, ...]) -> None:
+        """Runs on the lookup pool after a lookup that found nothing: whether the prompt's first
+        chunk is stored under a sibling configuration, counted as the miss's reason
+        (``kvstore_lookup_misses_total``); at most once per ``miss_probe_interval``, else counted
+        ``unprobed``. One ``exists_many`` call; never raises."""
+        interval = self.opts.miss_probe_interval
+        now = self._clock()
+        with self._lock:
+            probe = interval > 0 and now - self._last_probe >= interval
+            if probe:
+                self._last_probe = now
+        reason = "unprobed"
+        if probe:
+            try:
+                reason = self._miss_reason(tokens, salt, spans)
+            except Exception:  # a store outage, or a sibling that cannot be named: the reason stays unknown
+                log.debug("KVStoreConnector: probing why a lookup missed failed", exc_info=True)
+        LOOKUP_MISSES.inc(reason=reason)
+
+    def _miss_reason(self, tokens: list[int], salt: str, spans: tuple[InputSpan, ...]) -> str:
+        """``kv_dtype``, ``chunk_tokens``, ``cpu_isa`` or ``format``: the first sibling configuration
+        under which the prompt's first chunk is stored; ``absent`` if none."""
+        i = next((j for j, g in enumerate(self.groups) if g.kind != "state"), None)
+        if i is None or not tokens:
+            return "absent"
+        group, cache = self.groups[i], self.group_caches[i][0]
+        ns = cache.in_space(cache.namespace.with_salt(salt))
+        ranges: list[HeadRange | None] = [*self._units[i], *self._more[i]] if group.head_ranged else [None]
+        siblings: list[tuple[str, Namespace]] = []
+        for dtype in sorted(d for d in DTYPES if d.startswith(("float", "bfloat")) and d != ns.kv_dtype):
+            siblings.append(("kv_dtype", replace(ns, kv_dtype=dtype)))
+        for size in (64, 128, 256, 512, 1024, 2048, 4096):
+            if size != ns.chunk_tokens and size % ns.block_size == 0:
+                siblings.append(("chunk_tokens", replace(ns, chunk_tokens=size)))
+        if ns.layout.startswith("vllm-cpu-"):
+            for isa in ("vec", "vec16", "amx", "neon"):
+                if ns.layout != f"vllm-cpu-{isa}":
+                    siblings.append(("cpu_isa", replace(ns, layout=f"vllm-cpu-{isa}")))
+        names: list[tuple[str, str]] = []
+        for reason, sibling in siblings:
+            first = chunk_keys(sibling, tokens, max_chunks=1, spans=spans)
+            names.extend((reason, first[0].with_heads(h).key) for h in ranges if first)
+        for size in lookup_tp_sizes(self.facts.tp_size, self.opts.writer_tp_max):
+            old = cache.in_space(legacy_namespace(self.facts, self.opts, 0, size, group).with_salt(salt))
+            first = chunk_keys(old, tokens, max_chunks=1, spans=spans)
+            names.extend(("format", k.key) for k in first)
+        present = self.store.exists_many([key for _, key in names])
+        return next((reason for (reason, _), here in zip(names, present) if here), "absent")
 
     def _learn(self, connector_output: KVConnectorOutput) -> None:
         """Feed the cost model what the workers measured (``measure``: their reads, their prefills)."""
@@ -380,6 +540,8 @@ class SchedulerSide:
         if answer.everywhere:
             self._saved_upto[req_id] = max(self._saved_upto.get(req_id, 0), answer.everywhere)
         ext = external_tokens(answer.load, num_computed_tokens, self.opts.min_load_tokens)
+        if ext > 0:
+            self._found[req_id] = answer.heads
         return ext, ext > 0 and self.opts.load_mode == "async"
 
     # -- disaggregated prefill: the decode side ------------------------------------------------------
@@ -428,6 +590,7 @@ class SchedulerSide:
         ext = external_tokens(answer.load, num_computed_tokens)
         if ext > 0:
             self._pd_loads[req_id] = promised
+            self._found[req_id] = answer.heads
         else:
             PD_LOADED_TOKENS.observe(0)
         return ext, ext > 0 and self.opts.load_mode == "async"
@@ -447,7 +610,7 @@ class SchedulerSide:
         another prefix than this prompt's (another prompt or cache salt)."""
         start = self._clock()
         keyed = self._keyed(tokens, limit, salt, spans)
-        first = keyed[0][0] if keyed else []
+        first = keyed[0][0][1] if keyed and keyed[0] else []
         end = next((k for k in first if k.end == promise.tokens), None)
         if end is None or end.digest.hex() != promise.digest:
             raise BadPromise("mismatch", f"the promised prefix of {promise.tokens} tokens is not this prompt's")
@@ -472,7 +635,7 @@ class SchedulerSide:
             # get_num_new_matched_tokens, in the blocks it just allocated.
             ids = self._group_ids(blocks.get_block_ids() if blocks is not None else self._block_ids(req_id))
             self._pending[req_id] = _Pending(local, local + num_external_tokens, ids,
-                                             self.opts.load_mode == "async")
+                                             self.opts.load_mode == "async", self._found.pop(req_id, {}))
 
     def _group_ids(self, per_vllm_group: Sequence[Sequence[int]]) -> list[list[int]]:
         """The block ids of the stored groups, out of vLLM's per-group lists."""
@@ -491,7 +654,8 @@ class SchedulerSide:
             spec = LoadSpec(req_id, list(request.prompt_token_ids[:pending.end]),
                             [ids[:used] for ids in pending.block_ids], pending.start, pending.end,
                             request.cache_salt or "", background=pending.background,
-                            spans=input_spans(request, content_hashed=self._mm_hashed) or ())
+                            spans=input_spans(request, content_hashed=self._mm_hashed) or (),
+                            heads=[list(pending.heads.get(i, ())) for i in range(len(self.groups))])
             meta.loads.append(spec)
             if pending.background:
                 self._loading[req_id] = spec
@@ -659,7 +823,7 @@ class SchedulerSide:
         params = self._promise(request) if self._promises(request) else None
         self._planned_saves.discard(req_id)
         for table in (self._requests, self._lookups, self._local_hit, self._pending, self._saved_upto,
-                      self._announced, self._pd, self._pd_loads):
+                      self._announced, self._pd, self._pd_loads, self._found):
             table.pop(req_id, None)
         self._failed.discard(req_id)
         self._pd_done.discard(req_id)

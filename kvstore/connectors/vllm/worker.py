@@ -16,6 +16,10 @@
   request that had a SaveSpec), and a preempted request's pending gathers finish in
   ``handle_preemptions`` before its blocks can be overwritten. A full save queue drops the save
   (counted), never blocks the engine.
+* **KV heads**: attention records hold KV head ranges (``kvstore.heads``): each rank saves the
+  records of the heads it holds (of ranks that replicate a head, only the first), and loads from
+  the records the scheduler found covering the hit (``LoadSpec.heads``): its own range's, or
+  finer ones joined, or a coarser one sliced (``kvstore.heads.cover``).
 * **KV cache groups**: one ``KVTransfer`` per stored group over that group's layers (a
   ``StateTransfer`` for a recurrent-state group); a load fills every group (a sliding-window or
   chunked-local group from the start of its window only, a state group with the state at the
@@ -48,14 +52,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvstore.connectors.vllm.facts import EngineFacts, build_namespace
+from kvstore.connectors.vllm.facts import EngineFacts, build_namespace, group_heads
 from kvstore.connectors.vllm.measure import WorkerMeasurements
 from kvstore.connectors.vllm.metadata import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 from kvstore.connectors.vllm.options import VLLMConnectorOptions
 from kvstore.connectors.vllm.plan import blocks_for, failed_blocks, state_block, window_chunks, window_start
 from kvstore.errors import ConfigError
 from kvstore.events import KVEventPublisher, mediums
-from kvstore.keys import ChunkKey
+from kvstore.heads import cover
+from kvstore.keys import ChunkKey, HeadRange
 from kvstore.metrics.catalog import LATENCY, PD_PROMISES, PD_VISIBLE, SAVE_DROPS
 from kvstore.paged import KVTransfer, StateTransfer, dtype_name, slots_from_block_table
 from kvstore.prefix_cache import PrefixCache
@@ -140,6 +145,11 @@ class WorkerSide:
         spaces = [build_namespace(facts, opts, tp_rank, g) for g in self.groups]
         self.namespaces = [ns for ns, _ in spaces]
         self._layouts = [layout for _, layout in spaces]
+        # Per stored group: the KV heads this rank holds (None: records not cut by head) and
+        # whether it writes their records (of ranks replicating a head or MLA's latent, the first).
+        held = [group_heads(facts, g, tp_rank) for g in self.groups]
+        self.heads: list[HeadRange | None] = [h for h, _ in held]
+        self._writes = [w for _, w in held]
         # Per stored KV group, one transfer for the step's own work and one per background thread
         # (a transfer holds per-thread staging); None for a state group, whose StateTransfer
         # (``states``, by group position) holds none.
@@ -213,7 +223,7 @@ class WorkerSide:
             # Tokens are counted once per prompt: by the first group that stores every chunk.
             counts = group.index == next((g.index for g in self.groups if g.every_chunk), self.groups[0].index)
             cache = PrefixCache(self.store, namespace, codec=self.opts.codec, auth=self.opts.record_auth(),
-                                count_tokens=counts)
+                                count_tokens=counts, heads=self.heads[pos])
             # KVTransfer checks layout, dtype, block size and layer count against the namespace.
             for paths in (self.transfers, self._loaders, self._savers):
                 paths.append(KVTransfer(cache, layers, layout, land=land, staging_bytes=staging))
@@ -336,7 +346,7 @@ class WorkerSide:
                 slots = slots_from_block_table(spec.block_ids[i], self.block_size, spec.end)
                 got, _ = transfer.load_sequence(
                     spec.tokens, slots, max_tokens=spec.end, skip_tokens=skip,
-                    namespace=namespace, spans=spec.spans, before_place=check)
+                    namespace=namespace, spans=spec.spans, before_place=check, sources=self._sources(i, spec))
                 if got < spec.end:
                     # A full group holds a shorter prefix; a windowed group short of its window
                     # holds nothing usable (a shorter hit needs an earlier window).
@@ -348,6 +358,15 @@ class WorkerSide:
         except Exception:
             log.exception("KVStoreConnector: load of request %s failed", spec.req_id)
             return spec.start
+
+    def _sources(self, i: int, spec: LoadSpec) -> list[HeadRange] | None:
+        """The head ranges whose records group ``i``'s load reads: those of the ranges the
+        scheduler found that cover this rank's heads (None: its own range's, or not cut by head)."""
+        own = self.heads[i]
+        found = spec.heads[i] if i < len(spec.heads) else []
+        if own is None or not found:
+            return None
+        return cover(own, found) or None
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """``(finished_sending, finished_recving)`` of this step; each request reported once."""
@@ -452,8 +471,8 @@ class WorkerSide:
             top = max(spec.ends)
             chunk = self.opts.chunk_tokens
             for i, group in enumerate(self.groups):
-                if group.every_chunk == windows or (group.replicated and self.tp_rank != 0):
-                    continue  # a replicated group (MLA) is saved by rank 0 only, loaded by every rank
+                if group.every_chunk == windows or not self._writes[i]:
+                    continue  # a replicated head (or MLA's latent) is saved by its first rank only, loaded by every rank
                 namespace = self.namespaces[i].with_salt(spec.salt)
                 state = self.states.get(i)
                 if state is not None:
@@ -486,8 +505,9 @@ class WorkerSide:
         """Runs on the watcher thread: when the promised prefix's records (this rank's shard of
         the first group that stores every chunk) are in every shared tier, observe the time since
         the forward ``ended``; ``pd_deadline`` after it, count them late."""
-        found = next(((j, t) for j, t in enumerate(self.transfers) if t is not None and self.groups[j].every_chunk), None)
-        if found is None:  # no group stores every chunk: nothing to watch
+        found = next(((j, t) for j, t in enumerate(self.transfers)
+                      if t is not None and self.groups[j].every_chunk and self._writes[j]), None)
+        if found is None:  # no group stores every chunk (or this rank writes none of its heads): nothing to watch
             return
         i, transfer = found
         cache = transfer.cache

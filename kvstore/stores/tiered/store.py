@@ -227,6 +227,21 @@ class TieredStore(Store):
                 break
         return out
 
+    def exists_by_tier(self, keys: Sequence[str]) -> list[list[bool]]:
+        """Which of ``keys`` each tier holds (its queued writes included), fastest tier first; tiers
+        after those that together hold every key are not asked (all False). One round trip per
+        tier; a tier that fails or is skipped holds none."""
+        out = [[False] * len(keys) for _ in self.tiers]
+        anywhere = [False] * len(keys)
+        for i, tier in enumerate(self.tiers):
+            if all(anywhere):
+                break
+            queued = tier.writer.holds(keys) if tier.writer is not None else [False] * len(keys)
+            present = tier.call("exists_many", keys, [False] * len(keys))
+            out[i] = [a or q for a, q in zip(present, queued)]
+            anywhere = [a or b for a, b in zip(anywhere, out[i])]
+        return out
+
     def size_many(self, keys: Sequence[str]) -> list[int | None]:
         sizes: list[int | None] = [None] * len(keys)
         for tier in self.tiers:
