@@ -116,6 +116,21 @@ def test_options_are_parsed_range_checked_and_unknown_ones_refused():
             open_store(url)
 
 
+def test_building_a_store_does_no_io_and_an_absent_master_costs_one_deadline():
+    from servers import free_port
+
+    before = threading.active_count()
+    store = open_store(f"mooncake://127.0.0.1:{free_port()}?segment=0&deadline=500ms")  # nothing listens there
+    try:
+        assert threading.active_count() == before  # no set-up until a call needs the client
+        start = time.monotonic()
+        with pytest.raises(StoreUnavailableError):  # the client's set-up retries for ~90 s; the call waits 0.5 s
+            store.exists("k")
+        assert time.monotonic() - start < 5
+    finally:
+        store.close()
+
+
 def test_a_key_with_a_nul_is_refused(mooncake_master):
     store = fresh(mooncake_master)
     try:

@@ -1,10 +1,12 @@
 """Mooncake's Python client (``mooncake.store.MooncakeDistributedStore``) as this package uses it:
-one per process and set of settings (``Connection.shared``), set up in the background, every call
-on a worker thread with a deadline, and its integer answers sorted into hits, misses and outages.
+one per process and set of settings (``Connection.shared``), set up on a thread of its own when
+the first call needs it (building a store does no network I/O), every call on a worker thread
+with a deadline, and its integer answers sorted into hits, misses and outages.
 
 Why a worker thread: the client's calls block. A frozen master (SIGSTOP) holds each of them for
 the client's RPC timeout (30 s), and its ``setup`` retries a master that does not answer for
-about 90 s. A caller waits at most its deadline, then gets ``StoreTimeoutError`` (the tiered
+about 90 s, holding the interpreter's lock all along (so do its ``close``, for a second or two):
+a set-up is tried only once the master's RPC port and metadata server answer from Python. A caller waits at most its deadline, then gets ``StoreTimeoutError`` (the tiered
 store's breaker skips the tier at once); the call itself runs to its end on its thread, and
 whatever it holds (a lease it writes into, a value it reads) is let go only then.
 
@@ -27,6 +29,8 @@ import os
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -65,6 +69,7 @@ _NAMES = {**MISSES, **RACES, NO_SPACE: "NO_AVAILABLE_HANDLE (no room in the pool
           RPC_TIMEOUT: "RPC_TIMEOUT", -1: "INTERNAL_ERROR", -600: "INVALID_PARAMS", -601: "ILLEGAL_CLIENT",
           -1010: "UNAVAILABLE_IN_CURRENT_STATUS", -1011: "UNAVAILABLE_IN_CURRENT_MODE"}
 _RETRY_SETUP = 1.0  # seconds between set-up attempts after one failed
+_PROBE_TIMEOUT = 1.0  # seconds for each of the two checks before a set-up
 _CLOSE_WAIT = 120.0  # seconds a closing client waits for its running calls (the client's RPC timeout is 30 s)
 
 
@@ -131,7 +136,6 @@ class Connection:
             if conn is None or conn._closed:
                 conn = cls._shared[key] = Connection(key[1])
             conn._refs += 1
-            conn._start()
             return conn
 
     def release(self) -> None:
@@ -156,6 +160,7 @@ class Connection:
     def _set_up(self) -> Any:
         s = self.settings
         host, _, port = s.master.rpartition(":")
+        self._probe(host, int(port))
         me = s.host or local_address(host, int(port))
         client = MooncakeDistributedStore()
         # local_buffer_size 0: every call this package makes moves bytes between registered memory
@@ -174,6 +179,29 @@ class Connection:
         log.info("mooncake: client set up on %s (master %s, %s, segment %d bytes)", me, s.master, s.protocol,
                  s.segment)
         return client
+
+    def _probe(self, host: str, port: int) -> None:
+        """Whether the master answers at all, asked from Python before the client's ``setup``:
+        that call holds the interpreter's lock while it retries a master that does not answer
+        (about 90 s: every thread of the process stops). A TCP connect to the master's RPC port
+        finds a dead one; an HTTP request to the metadata server (the master's own, usually) a
+        frozen one, whose kernel still accepts connections."""
+        try:
+            socket.create_connection((host, port), timeout=_PROBE_TIMEOUT).close()
+        except OSError as exc:
+            self._failed(f"the master at {self.settings.master} does not answer ({exc})")
+        try:
+            urllib.request.urlopen(f"{self.settings.metadata}?key=kvstore-probe", timeout=_PROBE_TIMEOUT).close()
+        except urllib.error.HTTPError:
+            pass  # it answered (a missing key is a 404)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            self._failed(f"the metadata server at {self.settings.metadata} does not answer ({exc})")
+
+    def _failed(self, why: str) -> None:
+        with self._lock:
+            self._failed_at = time.monotonic()
+            self._error = why
+        raise StoreUnavailableError(f"{self.where}: {why}")
 
     def client(self, end: float) -> Any:
         """The set-up client, waiting for its set-up until ``end`` (``time.monotonic``) at most."""
@@ -234,6 +262,9 @@ class Connection:
             client, self._client = self._client, None
             setup = self._setup
         self.registrations.close()
+        if setup is None and client is None:  # never used: nothing was set up
+            self._setups.shutdown(wait=False)
+            return
 
         def close() -> None:
             # Never under a running call: the library frees what the call still uses. Calls end

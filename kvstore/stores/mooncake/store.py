@@ -110,7 +110,7 @@ class MooncakeStore(Store):
 
     def __init__(self, config: MooncakeConfig) -> None:
         self.config = config
-        self._conn = Connection.shared(config)  # set up in the background: no I/O here
+        self._conn = Connection.shared(config)  # set up by the first call: no I/O here
         self._where = f"mooncake://{config.master}"
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="kvstore-mooncake")
         self._staging = BufferPool(config.staging)
