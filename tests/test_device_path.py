@@ -39,6 +39,7 @@ from kvstore.record import RecordAuth
 from kvstore.stores import open_store
 from kvstore.testing.damage import flip_byte
 from kvstore.testing.pinner import CountingPinner, SlowPinner
+from kvstore.testing.streams import install
 
 B, N, H, D, L = 40, 16, 4, 64, 2  # blocks, block size, KV heads, head size, layers
 CHUNK = 32  # tokens: 2 blocks, a 128 KiB record
@@ -458,3 +459,104 @@ def test_slots_out_of_range_are_refused_on_the_host_before_any_copy():
         # The same slot among tokens the caller already holds (skip_tokens) is never touched.
         assert loader.load_sequence(TOKEN_IDS, bad, skip_tokens=CHUNK)[0] == TOKENS
         assert _loaded_blocks(src, dst, 6)[1:] == [True] * 5
+
+
+# -- the order of device work (kvstore.paged.streams), recorded on the CPU ----------------------
+RECORD = CHUNK * L * 2 * H * D * 2  # one record's KV bytes
+
+
+def _marks(streams, name):
+    return [detail for n, detail in streams.calls if n == name]
+
+
+def test_a_load_with_host_slots_never_waits_for_the_forward_but_its_scatter_does():
+    """vLLM passes slots on the host: they go to the device for the side stream (pinned,
+    non-blocking: no copy on the caller's stream, which waits for every queued forward). The
+    DMAs are issued before anything waits for the compute stream; the scatter waits for them and
+    for the compute stream; the compute stream waits for the scatter; the host waits for the
+    DMAs only."""
+    with open_store("memory://?max_bytes=64MiB") as store:
+        src = _caches(18)
+        _transfer(store, src, pinner=CountingPinner()).save_sequence(TOKEN_IDS, _slots(SRC_BLOCKS))
+        dst = [torch.zeros_like(c) for c in src]
+        loader = _transfer(store, dst, pinner=CountingPinner())
+        streams = install(loader)
+        assert loader.load_sequence(TOKEN_IDS, _slots(DST_BLOCKS))[0] == TOKENS
+        assert all(_loaded_blocks(src, dst, 6))
+        names = streams.names()
+        assert names[0] == "slots" and _marks(streams, "slots") == ["side"]
+        assert _marks(streams, "h2d") == ["copy, pinned"] * 6
+        last_dma = max(i for i, n in enumerate(names) if n == "h2d")
+        assert last_dma < names.index("side_waits_for_compute")  # no DMA waits for the forward
+        (dmas,) = _marks(streams, "copies_done")
+        assert streams.calls.index(("side_waits", dmas)) < names.index("side")  # the scatter after the DMAs
+        assert names.index("side_waits_for_compute") < names.index("side")
+        assert names.index("side") < names.index("compute_waits_for_side")  # the forward after the scatter
+        assert _marks(streams, "host_waits") == [dmas]  # the host waits for the DMAs, not the scatter
+        assert _marks(streams, "side") == ["enter", "exit"]  # one scatter pass, on the side stream
+
+
+def test_windows_take_the_staging_halves_in_turn_so_one_is_filled_while_the_other_is_scattered():
+    """A load larger than the staging runs in windows of half of it: window i's DMAs wait for
+    the side stream's last use of its half (window i-2's scatter), not for window i-1's scatter
+    (which waits for the forward)."""
+    with open_store("memory://?max_bytes=64MiB") as store:
+        src = _caches(19)
+        _transfer(store, src).save_sequence(TOKEN_IDS, _slots(SRC_BLOCKS))
+        dst = [torch.zeros_like(c) for c in src]
+        loader = _transfer(store, dst, pinner=CountingPinner(), staging_bytes=2 * RECORD)
+        streams = install(loader)
+        assert loader.load_sequence(TOKEN_IDS, _slots(DST_BLOCKS))[0] == TOKENS
+        assert all(_loaded_blocks(src, dst, 6))
+        waits, used = _marks(streams, "copy_waits"), _marks(streams, "side_done")
+        assert len(waits) == len(used) == 6  # six windows of one record
+        assert waits[:2] == [None, None]  # each half's first use
+        assert waits[2:] == used[:4]  # window i waits for window i-2's scatter, never for i-1's
+
+
+def test_a_save_hands_each_record_to_the_store_once_its_own_copy_is_done():
+    """Saves copy record by record from the device: the store takes record i after the host
+    waited for record i's copy alone, while later records (and the next window) still copy."""
+    from kvstore.stores.memory import MemoryStore
+
+    class Noting(MemoryStore):
+        def put_many(self, items):
+            def noted():
+                for key, value in items:
+                    streams.note("put", key)
+                    yield key, value
+            super().put_many(noted())
+
+    for staging in (None, 2 * RECORD):  # one window; six windows of one record, in two halves
+        store = Noting()
+        kw = {} if staging is None else {"staging_bytes": staging}
+        saver = _transfer(store, _caches(20), pinner=CountingPinner(), **kw)
+        streams = install(saver)
+        assert saver.save_sequence(TOKEN_IDS, _slots(SRC_BLOCKS)) == 6
+        copies, keys = _marks(streams, "d2h"), [k.key for k in saver.keys(TOKEN_IDS)]
+        assert len(copies) == 6
+        calls = streams.calls
+        for i, key in enumerate(keys):
+            put = calls.index(("put", key))
+            assert calls.index(("host_waits", copies[i])) < put  # its own copy is in
+            assert all(calls.index(("host_waits", c)) > put for c in copies[i + 1:])  # not the later ones'
+            if i + 1 < len(keys):
+                assert calls.index(("d2h", copies[i + 1])) < put  # the next record copies meanwhile
+        assert calls[-1] == ("host_waits", copies[-1])  # nothing still copies into a lease given back
+        assert streams.names().index("side_waits_for_compute") < streams.names().index("side")
+        fresh = [torch.zeros_like(c) for c in saver.kv_caches]
+        assert _transfer(store, fresh).load_sequence(TOKEN_IDS, _slots(SRC_BLOCKS))[0] == TOKENS
+        assert all(torch.equal(a[:, SRC_BLOCKS], b[:, SRC_BLOCKS]) for a, b in zip(fresh, saver.kv_caches))
+
+
+def test_the_triton_kernel_is_asked_for_by_name_and_the_torch_path_stays_where_it_cannot_run(caplog):
+    from kvstore.paged.device import DeviceCopies
+
+    with open_store("memory://") as store:
+        src = _caches(21)
+        cache = PrefixCache(store, _namespace())
+        with pytest.raises(ValueError, match="kernel='cuda'; accepted: torch, triton"):
+            DeviceCopies(cache, src, FlashLayout(), kernel="cuda")
+        copies = DeviceCopies(cache, src, FlashLayout(), pinner=CountingPinner(), kernel="triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            assert copies._layer_copies is None and "the torch path copies" in caplog.text

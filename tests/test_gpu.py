@@ -17,6 +17,7 @@ from kvstore.paged import BHNCLayout, FlashLayout, KVTransfer, dtype_name, slots
 from kvstore.prefix_cache import PrefixCache
 from kvstore.reference import PRESETS, ModelRunner
 from kvstore.stores.memory import MemoryStore
+from kvstore.testing.shm import memory_root
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_check on a GPU machine)")]
@@ -127,8 +128,9 @@ def gpu_store(request, tmp_path):
         url = redis_server.url
     elif request.param == "shm":
         name = f"gpu-{uuid.uuid4().hex[:8]}"
-        url = f"shm://{name}?max_bytes=256MiB"
-        request.addfinalizer(lambda: shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True))
+        root, _ = memory_root(256 << 20)  # a container's /dev/shm is 64 MB
+        url = f"shm://{name}?max_bytes=256MiB&root={root}"
+        request.addfinalizer(lambda: shutil.rmtree(f"{root}/kvstore-{name}", ignore_errors=True))
     else:
         url = "memory://?max_bytes=256MiB"
     with open_store(url) as store:
@@ -176,22 +178,157 @@ def test_shm_registrations_end_when_the_mappings_go():
     import shutil
     import uuid
 
-    from kvstore.pinned import cuda_pinner
+    from kvstore.pinned import cuda_pinner, flush_unpins
     from kvstore.stores import open_store
 
     pinner = cuda_pinner()
     assert pinner is not None
     name = f"gpu-reg-{uuid.uuid4().hex[:8]}"
+    root, _ = memory_root(256 << 20)
     before = pinner.stats()
     try:
-        with open_store(f"shm://{name}?max_bytes=256MiB") as store:
+        with open_store(f"shm://{name}?max_bytes=256MiB&root={root}") as store:
             src, dst = _caches("flash-2bnhd", 14), _caches("flash-2bnhd", 15)
             tokens, slots = list(range(256)), slots_from_block_table(list(range(16)), N, 256, device="cuda")
             KVTransfer(PrefixCache(store, _flash_ns("gpu-reg")), src, FlashLayout()).save_sequence(tokens, slots)
             KVTransfer(PrefixCache(store, _flash_ns("gpu-reg")), dst, FlashLayout()).load_sequence(tokens, slots)
             assert pinner.stats()["pinned"] - before["pinned"] >= 4
         gc.collect()
+        assert flush_unpins(30)  # registrations end on the unpin thread
         after = pinner.stats()
         assert after["unpinned"] - before["unpinned"] >= 4 and after["failed"] == before["failed"]
     finally:
-        shutil.rmtree(f"/dev/shm/kvstore-{name}", ignore_errors=True)
+        shutil.rmtree(f"{root}/kvstore-{name}", ignore_errors=True)
+
+
+# -- issue 47: what a busy engine, host-side slots and freed memory must not break ----------------
+def _busy(ms: float = 300.0) -> None:
+    """Queue about ``ms`` of chained matmuls on the current stream (a forward)."""
+    import time
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    x = a
+    for _ in range(4):
+        x = a @ x
+    torch.cuda.synchronize()
+    n = max(4, int(4 * ms / 1e3 / (time.perf_counter() - start)))
+    start = time.perf_counter()
+    for _ in range(n):
+        x = a @ x
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["engine thread", "loader thread"])
+def test_a_load_with_host_slots_does_not_wait_for_a_busy_forward(thread):
+    """vLLM passes slots on the host. A load must not copy them on the caller's stream (that
+    waits for every queued forward): it returns while the forward still runs, and the KV is
+    right once the forward is done (the scatter waited for it, the next forward waits for the
+    scatter)."""
+    import threading
+    import time
+
+    store = MemoryStore()
+    src, dst = _caches("flash-2bnhd", 21), _caches("flash-2bnhd", 22)
+    tokens = list(range(512))
+    src_slots = slots_from_block_table(list(range(32)), N, 512, device="cuda")
+    host_slots = slots_from_block_table(list(range(32, 64)), N, 512)  # on the host, as vLLM's block tables
+    _transfer("flash-2bnhd", src, store).save_sequence(tokens, src_slots)
+    loader = _transfer("flash-2bnhd", dst, store)
+    loader.load_sequence(tokens, host_slots)  # warm: pools, pinned memory, kernels
+    torch.cuda.synchronize()
+    for c in dst:
+        c.zero_()
+    start = time.perf_counter()
+    _busy(300)
+    got = []
+    if thread:
+        worker = threading.Thread(target=lambda: got.append(loader.load_sequence(tokens, host_slots)[0]))
+        worker.start()
+        worker.join()
+    else:
+        got.append(loader.load_sequence(tokens, host_slots)[0])
+    returned = time.perf_counter() - start
+    torch.cuda.synchronize()
+    busy = time.perf_counter() - start
+    assert got == [512]
+    assert returned < busy / 2, (returned, busy)  # it did not wait for the forward
+    assert all(torch.equal(d[:, 32:64], s[:, :32]) for d, s in zip(dst, src))
+
+
+def test_device_slots_freed_by_their_maker_are_not_reused_while_the_scatter_reads_them():
+    """Slots made on a stream the engine does not wait for, freed as soon as the load returns:
+    the allocator must not hand their memory out before the (delayed) scatter has read them
+    (``record_stream``), or KV lands in the wrong slots."""
+    store = MemoryStore()
+    src, dst = _caches("flash-2bnhd", 23), _caches("flash-2bnhd", 24)
+    tokens = list(range(512))
+    _transfer("flash-2bnhd", src, store).save_sequence(tokens, slots_from_block_table(list(range(32)), N, 512,
+                                                                                     device="cuda"))
+    loader = _transfer("flash-2bnhd", dst, store)
+    other = torch.cuda.Stream()
+    for _ in range(3):
+        for c in dst:
+            c.zero_()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(other):
+            slots = slots_from_block_table(list(range(32, 64)), N, 512, device="cuda")
+        _busy(200)  # the scatter waits behind it
+        with torch.cuda.stream(other):
+            assert loader.load_sequence(tokens, slots)[0] == 512
+            del slots
+            junk = torch.empty(512, dtype=torch.int64, device="cuda")  # the freed block, if it were free
+            junk.fill_(0)  # slot 0: block 0 of every layer, were the scatter to read this
+        torch.cuda.synchronize()
+        assert all(torch.equal(d[:, 32:64], s[:, :32]) for d, s in zip(dst, src))
+        assert all(not d[:, 0].any() for d in dst)
+
+
+def test_a_load_in_windows_beside_a_busy_forward_lands_every_window():
+    """Windows in the staging's two halves, DMAs on the copy stream, scatters behind the forward."""
+    store = MemoryStore()
+    src, dst = _caches("flash-2bnhd", 25), _caches("flash-2bnhd", 26)
+    tokens = list(range(512))
+    _transfer("flash-2bnhd", src, store).save_sequence(tokens, slots_from_block_table(list(range(32)), N, 512,
+                                                                                     device="cuda"))
+    record = 64 * L * 2 * H * D * 2
+    lay = FlashLayout()
+    ns = Namespace(model="gpu", model_fingerprint="f", kv_dtype="bfloat16", layout=lay.name, block_size=N,
+                   chunk_tokens=64, layer_end=L)
+    loader = KVTransfer(PrefixCache(store, ns), dst, lay, staging_bytes=2 * record)
+    _busy(200)
+    assert loader.load_sequence(tokens, slots_from_block_table(list(range(32, 64)), N, 512))[0] == 512
+    torch.cuda.synchronize()
+    assert all(torch.equal(d[:, 32:64], s[:, :32]) for d, s in zip(dst, src))
+    saver = KVTransfer(PrefixCache(MemoryStore(), ns), src, lay, staging_bytes=2 * record)
+    _busy(200)
+    assert saver.save_sequence(tokens, slots_from_block_table(list(range(32)), N, 512)) == 8
+
+
+def test_registrations_end_on_the_unpin_thread_once_the_mappings_go():
+    import gc
+    import shutil
+    import uuid
+
+    from kvstore.pinned import cuda_pinner, flush_unpins
+    from kvstore.stores import open_store
+
+    pinner = cuda_pinner()
+    assert pinner is not None and pinner.read_only_supported() is not None
+    name = f"gpu-unpin-{uuid.uuid4().hex[:8]}"
+    root, _ = memory_root(256 << 20)
+    before = pinner.stats()
+    try:
+        with open_store(f"shm://{name}?max_bytes=256MiB&root={root}") as store:
+            src, dst = _caches("flash-2bnhd", 27), _caches("flash-2bnhd", 28)
+            tokens, slots = list(range(256)), slots_from_block_table(list(range(16)), N, 256)
+            KVTransfer(PrefixCache(store, _flash_ns("gpu-unpin")), src, FlashLayout()).save_sequence(tokens, slots)
+            loader = KVTransfer(PrefixCache(store, _flash_ns("gpu-unpin")), dst, FlashLayout())
+            assert loader.load_sequence(tokens, slots)[0] == 256
+            assert dict(loader.copies.stats) == {("load", "pinned"): 4}
+        gc.collect()
+        assert flush_unpins(30)
+        after = pinner.stats()
+        assert after["unpinned"] - before["unpinned"] >= 4 and after["failed"] == before["failed"]
+    finally:
+        shutil.rmtree(f"{root}/kvstore-{name}", ignore_errors=True)

@@ -64,3 +64,31 @@ def test_caches_it_cannot_take_are_refused_not_miscopied():
     assert not triton_copy.supports(odd, layout)
     with pytest.raises(ValueError, match="use the torch path"):
         triton_copy.LayerScatter(odd, layout)
+
+
+@pytest.mark.parametrize("staging", [None, 2])
+def test_a_transfer_with_the_kernel_saves_and_loads_as_the_torch_path(staging):
+    """``KVTransfer(kernel="triton")``: every window's gather and scatter in one launch, windows in
+    the staging's halves; the loaded KV equals the saved KV, a local hit's chunk is untouched."""
+    from kvstore.keys import Namespace
+    from kvstore.paged import KVTransfer
+    from kvstore.prefix_cache import PrefixCache
+    from kvstore.stores import open_store
+
+    layout = FlashLayout()
+    ns = Namespace(model="triton", model_fingerprint="f", kv_dtype="bfloat16", layout=layout.name, block_size=N,
+                   chunk_tokens=2 * N, layer_end=L)
+    tokens = list(range(100, 100 + 6 * 2 * N))
+    record = 2 * N * L * 2 * H * D * 2
+    kw = {} if staging is None else {"staging_bytes": staging * record}
+    with open_store("memory://?max_bytes=64MiB") as store:
+        src, dst = _caches("flash", 4), [torch.zeros_like(c) for c in _caches("flash", 4)]
+        saver = KVTransfer(PrefixCache(store, ns), src, layout, device_path=True, kernel="triton", **kw)
+        assert saver.copies._layer_copies is not None
+        slots = slots_from_block_table(list(range(12)), N, len(tokens), device=DEVICE)
+        assert saver.save_sequence(tokens, slots) == 6
+        loader = KVTransfer(PrefixCache(store, ns), dst, layout, device_path=True, kernel="triton", **kw)
+        dst_slots = slots_from_block_table(list(range(12, 24)), N, len(tokens), device=DEVICE)
+        assert loader.load_sequence(tokens, dst_slots, skip_tokens=N)[0] == len(tokens)
+        assert all(torch.equal(d[:, 13:24], s[:, 1:12]) for d, s in zip(dst, src))
+        assert all(not d[:, 12].any() for d in dst)  # the local hit's block

@@ -5,39 +5,52 @@ Load (``PrefixCache.load_staged``):
 * Records are read where they lie: a ``shm://`` record's mapping and a ``memory://`` value are
   registered with the device once (``Store.pin_host_memory``), a Redis or file record is
   received into a lease of a pinned pool. Each record's KV goes to device staging in one DMA as
-  soon as its header passed its checks, on a side stream; no host copy (``kvstore_device_copies_total``
-  counts any: pageable memory, a decompressed record).
+  soon as its header passed its checks, on the path's copy stream; no host copy
+  (``kvstore_device_copies_total`` counts any: pageable memory, a decompressed record).
 * Meanwhile its checksum and tag are verified on a pool of threads (or against the digest its
   store computed as it arrived). Nothing is scattered before every verdict is in: the verified
   leading records are scattered into the paged cache in one pass per layer
   (``PagedLayout.scatter_chunks``, an indexed write reading the staging where it lies), and no
   byte of a record that failed, or came after one, reaches the cache.
 * No synchronisation per record: the host waits once per window for the DMAs to finish (so the
-  records' memory can be reused), never for the scatter. The scatter first waits for the
-  compute stream (work queued on these blocks lands before it; the DMAs into staging do not
-  wait for the forward), and the compute stream waits for the scatter at the end (the next
-  forward reads the loaded KV). The compute stream is the engine's
-  (``DeviceCopies.compute_stream``), also for a load or save on a background thread.
-* A load larger than ``staging_bytes`` runs in windows of records, each one load of the store.
+  records' memory can be reused), never for the scatter. The scatter, on the side stream, first
+  waits for the DMAs and for the compute stream (work queued on these blocks lands before it; the
+  DMAs themselves never wait for a forward), and the compute stream waits for the scatter (the
+  next forward reads the loaded KV). The compute stream is the engine's, also for a load or save
+  on a background thread; slots given on the host (vLLM's) go to the device from pinned memory
+  on the side stream, never by a copy on the caller's stream (``kvstore.paged.streams``).
+* A load larger than ``staging_bytes`` runs in windows of records, each one load of the store,
+  in two halves of the staging used in turn: window i+1's DMAs wait only for window i-1's
+  scatter, not for window i's (which waits for the forward).
 
 Save: the chunks to write are gathered on the device in one pass per layer
-(``PagedLayout.gather_chunks``) into record order, copied to a pinned pool lease in one D2H
-copy, and handed to the store as views of it (each record owning a reference); the host waits
-for the gather and the copy, nothing else. Local stores write (and checksum) the records on
-several threads (``put_many``).
+(``PagedLayout.gather_chunks``) into record order, then copied to a pinned pool lease one record
+at a time, each copy marked; a record is handed to the store (a view of the lease owning a
+reference) once its own copy is done, while the later ones still copy, and the next window is
+gathered and copied while the store writes this one (the two halves of the staging again). The
+host waits for each record's copy, nothing else. Local stores write (and checksum) the records
+on several threads (``put_many``).
 
-Runs on any device: on the CPU (the tests) the copies are plain, synchronous ``copy_``.
+``kernel``: how a window's records move between the staging and every layer's cache: ``"torch"``
+(the default: one launch per layer, ``PagedLayout.scatter_chunks`` / ``gather_chunks``) or
+``"triton"`` (one launch for all layers, ``kvstore.paged.triton_copy``, where Triton runs and
+takes the caches; the torch path otherwise, and for the records of a local hit's first chunk or
+of another head range).
+
+Runs on any device: on the CPU (the tests) the copies are plain, synchronous ``copy_``, and the
+streams' calls can be recorded (``kvstore.testing.streams``).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -47,16 +60,22 @@ from kvstore.buffers import BufferPool, Lease
 from kvstore.keys import ChunkKey, InputSpan, Namespace
 from kvstore.metrics import catalog as metrics
 from kvstore.paged.layouts import HeadSlice, PagedLayout
+from kvstore.paged.streams import Mark, Streams, streams_for
 from kvstore.paged.tensors import HiddenOf
 from kvstore.pinned import HostPinner, cuda_pinner
 from kvstore.prefix_cache import ChunkPayload, LoadResult, PrefixCache
 from kvstore.record import Record
 from kvstore.types import array_view
 
-__all__ = ["DeviceCopies", "DEFAULT_STAGING_BYTES"]
+__all__ = ["DeviceCopies", "DEFAULT_STAGING_BYTES", "KERNELS"]
+
+log = logging.getLogger(__name__)
 
 #: Device memory a load or a save stages at most at once (larger ones run in windows).
 DEFAULT_STAGING_BYTES = 512 << 20
+#: The kernels that move a window's records between the staging and the layers (``kernel``).
+KERNELS = ("torch", "triton")
+_ALIGN = 4096  # staging halves start on this boundary: every dtype's (and int64 views') alignment
 
 # torch warns once per process that a read-only buffer is wrapped as if writable; a record in a
 # read-only mapping is only read. The warning is used up here, at import (warnings' filters are
@@ -94,10 +113,12 @@ class DeviceCopies:
 
     ``pinner`` registers host memory with the device (default: CUDA's on a CUDA device, none
     elsewhere); the cache's store is asked to pin its host memory with it, and records are
-    received into ``pool``, a pinned one. ``stats`` counts records by ``(op, memory)``."""
+    received into ``pool``, a pinned one. ``stats`` counts records by ``(op, memory)``. Build
+    it on the engine's thread: its current stream is the compute stream (``streams``)."""
 
     def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout, *,
-                 pinner: HostPinner | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 pinner: HostPinner | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 kernel: str = "torch") -> None:
         self.cache = cache
         self.kv_caches = list(kv_caches)
         self.layout = layout
@@ -112,16 +133,20 @@ class DeviceCopies:
             cache.store.pin_host_memory(self.pinner)
         self.staging_bytes = staging_bytes
         self.stats: Counter[tuple[str, str]] = Counter()
-        # One load or save at a time: they share the device staging and the side stream.
+        # One load or save at a time: they share the device staging and the streams.
         self._lock = threading.Lock()
-        # torch leaves torch.cuda.Stream's constructor unannotated.
-        self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # type: ignore[no-untyped-call]
-        # The engine's compute stream: the current stream of the thread that builds this (the
-        # engine's, in register_kv_caches). A load or save on another thread (a background loader
-        # or saver) orders itself against that stream, not against its own thread's current one.
-        self._engine_thread = threading.get_ident()
-        self._engine_stream = torch.cuda.current_stream(self.device) if self.on_cuda else None
-        self._buf: torch.Tensor | None = None
+        #: Where the device work is ordered (``kvstore.paged.streams``): built here, on the engine's
+        #: thread, whose current stream is the compute stream for every thread's loads and saves.
+        self.streams: Streams = streams_for(self.device)
+        # The staging: one allocation, used whole by a single window or as two halves in turn;
+        # the side stream's last use of each half (a DMA into it waits for that).
+        self._arena: torch.Tensor | None = None
+        self._half = max(_ALIGN, staging_bytes // 2 // _ALIGN * _ALIGN)
+        self._used: list[Mark] = [None, None]
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
+        self.kernel = kernel
+        self._layer_copies = self._kernel(kernel)
         self._token_bytes = len(self.kv_caches) * first.element_size() * math.prod(
             layout.chunk_shape(first, layout.block_size(first))) // layout.block_size(first)
 
@@ -134,36 +159,88 @@ class DeviceCopies:
         shape = self.layout.record_shape(self.kv_caches[0], num_tokens, part.record_heads)
         return len(self.kv_caches) * self.kv_caches[0].element_size() * math.prod(shape)
 
-    def compute_stream(self) -> torch.cuda.Stream:
+    def compute_stream(self) -> torch.cuda.Stream | None:
         """The stream whose work a load or save is ordered against: the calling thread's current
-        stream on the engine's thread, the engine's compute stream on any other (CUDA only)."""
-        if threading.get_ident() == self._engine_thread or self._engine_stream is None:
-            return torch.cuda.current_stream(self.device)
-        return self._engine_stream
+        stream on the engine's thread, the engine's compute stream on any other (None off CUDA)."""
+        return self.streams.compute()
+
+    def device_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` (int64 or int32, on the host or the device) as the side stream reads them:
+        host slots copied from pinned memory, non-blocking, on the side stream (no copy on the
+        caller's stream, which would wait for its queued forwards)."""
+        return self.streams.slots(slots)
 
     def _on_stream(self) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        return self.streams.side()
 
-    def _device_buffer(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of device staging (uint8), reused: every use is ordered on the side stream."""
-        buf = self._buf
-        if buf is None or buf.numel() < nbytes:
-            self._buf = buf = None  # the smaller buffer goes back before the larger one is allocated
-            with self._on_stream():  # allocated for the side stream, where it is used
-                self._buf = buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return buf[:nbytes]
+    def _kernel(self, kernel: str) -> tuple[Callable[[torch.Tensor, torch.Tensor], None],
+                                            Callable[[torch.Tensor, torch.Tensor], None]] | None:
+        """The one-launch scatter and gather over every layer (``kernel="triton"``), or None: the
+        torch path (also where Triton cannot run or take these caches: said once, in the log)."""
+        if kernel == "torch":
+            return None
+        try:
+            from kvstore.paged import triton_copy
+        except ImportError as exc:
+            log.warning("kernel=triton: Triton cannot be imported (%s); the torch path copies", exc)
+            return None
+        if not triton_copy.available(self.device) or not triton_copy.supports(self.kv_caches, self.layout):
+            log.warning("kernel=triton: not for these caches (%s on %s); the torch path copies",
+                        self.layout.name, self.device)
+            return None
+        return (triton_copy.LayerScatter(self.kv_caches, self.layout),
+                triton_copy.LayerGather(self.kv_caches, self.layout))
+
+    def _staging(self, nbytes: int, half: int | None) -> torch.Tensor:
+        """``nbytes`` of device staging (uint8): the whole of it (``half`` None: a single window),
+        or one of its two halves; the copy stream's next DMAs wait for the side stream's last use
+        of that memory. Grows (one allocation, for the side and copy streams) as needed."""
+        start = 0 if half is None else half * self._half
+        end = start + nbytes if half is None else max(start + nbytes, 2 * self._half)
+        arena = self._arena
+        if arena is None or arena.numel() < end:
+            self._arena = arena = None  # the smaller one goes back before the larger one is allocated
+            self._arena = arena = self.streams.staging(end)
+        used = self._used
+        self.streams.copy_waits(used[half] if half is not None else used[self._last_half])
+        return arena[start:start + nbytes]
+
+    _last_half = 0  # which half's mark is the later one (the side stream is in order: it covers both)
+
+    def _staging_used(self, half: int | None) -> None:
+        """The side stream has issued its last use of ``half`` (None: of the whole staging)."""
+        mark = self.streams.side_done()
+        if half is None:
+            self._used = [mark, mark]
+        else:
+            self._used[half] = mark
+            self._last_half = half
 
     def _windows(self, keys: Sequence[ChunkKey], part: HeadSlice | None = None) -> Iterator[Sequence[ChunkKey]]:
         """``keys`` in runs whose records fit ``staging_bytes`` (at least one chunk each)."""
+        for window, _ in self._plan(keys, part):
+            yield window
+
+    def _plan(self, keys: Sequence[ChunkKey], part: HeadSlice | None = None
+              ) -> list[tuple[Sequence[ChunkKey], int | None]]:
+        """``keys`` in windows, each with the staging half it uses: one window of the whole
+        staging where every record fits in it, else windows of half of it in turn (0, 1, 0, ...:
+        one is staged while the other is scattered or copied out), or, where a single record
+        outgrows a half, windows of the whole staging one after another."""
+        sizes = [self.chunk_bytes(c.num_tokens, part) for c in keys]
+        if sum(sizes) <= self.staging_bytes:
+            return [(keys, None)] if keys else []
+        budget = self._half if max(sizes) <= self._half else self.staging_bytes
+        windows: list[Sequence[ChunkKey]] = []
         start, size = 0, 0
-        for i, chunk in enumerate(keys):
-            n = self.chunk_bytes(chunk.num_tokens, part)
-            if i > start and size + n > self.staging_bytes:
-                yield keys[start:i]
+        for i, n in enumerate(sizes):
+            if i > start and size + n > budget:
+                windows.append(keys[start:i])
                 start, size = i, 0
             size += n
-        if start < len(keys):
-            yield keys[start:]
+        windows.append(keys[start:])
+        halves = budget == self._half
+        return [(w, i % 2 if halves else None) for i, w in enumerate(windows)]
 
     def _records(self, buf: torch.Tensor, offset: int, k: int, num_tokens: int,
                  part: HeadSlice | None = None) -> torch.Tensor:
@@ -191,14 +268,25 @@ class DeviceCopies:
              announce: tuple[int, int] | None = None) -> int:
         """``KVTransfer.save_sequence``'s writes of ``keys`` (``slots``: int64 on the device)."""
         index = {chunk.start: i for i, chunk in enumerate(keys)}
-        gathered: dict[int, tuple[memoryview, Lease | None]] = {}
+        gathered: dict[int, tuple[memoryview, Lease | None, Mark]] = {}
+        plan: list[tuple[Sequence[ChunkKey], int | None]] = []
+        starts: dict[int, int] = {}  # the first chunk of each window of the plan: its index there
+        launched: set[int] = set()
         held: list[Lease] = []
+        last: list[Mark] = [None]  # the last copy issued: every lease is written once it is done
 
         def payload(chunk: ChunkKey) -> ChunkPayload:
-            if chunk.start not in gathered:  # the first chunk of a window: gather it all
-                window = next(self._windows(keys[index[chunk.start]:]))
-                gathered.update(self._gather(window, slots, held))
-            kv, owner = gathered.pop(chunk.start)
+            if not plan:  # the first chunk the cache writes (those before it are stored): windows from it
+                plan.extend(self._plan(keys[index[chunk.start]:]))
+                starts.update((window[0].start, j) for j, (window, _) in enumerate(plan))
+            j = starts.get(chunk.start)
+            if j is not None:  # a window's first chunk: it and the next are gathered (the next while this is written)
+                for window, half in plan[j:j + 2]:
+                    if window[0].start not in launched:
+                        launched.add(window[0].start)
+                        gathered.update(self._gather(window, slots, held, half, last))
+            kv, owner, copied = gathered.pop(chunk.start)
+            self.streams.host_waits(copied)  # this record's copy only: later ones are still copying
             data, dtype, shape = hidden(chunk)
             shapes = [self.layout.chunk_shape(self.kv_caches[0], chunk.num_tokens)] * len(self.kv_caches)
             return ChunkPayload(shapes=shapes, kv=kv, hidden=data, hidden_dtype=dtype, hidden_shape=shape,
@@ -209,44 +297,49 @@ class DeviceCopies:
                 return self.cache.save(tokens, keys, payload, from_token=from_token, namespace=namespace, spans=spans,
                                        announce=announce)
         finally:
+            self.streams.host_waits(last[0])  # no copy may still write a lease that goes back
             for lease in held:
                 lease.release()
 
-    def _gather(self, window: Sequence[ChunkKey], slots: torch.Tensor,
-                held: list[Lease]) -> dict[int, tuple[memoryview, Lease | None]]:
-        """The KV of ``window`` in record order in host memory: one gather pass per layer on the
-        device, one copy to a pinned lease (``held`` gets it); each chunk's bytes by its start."""
+    def _gather(self, window: Sequence[ChunkKey], slots: torch.Tensor, held: list[Lease], half: int | None,
+                last: list[Mark]) -> dict[int, tuple[memoryview, Lease | None, Mark]]:
+        """The KV of ``window`` in record order on its way to host memory: one gather pass per
+        layer on the device (into the staging, or ``half`` of it), then one copy per record to a
+        pinned lease (``held`` gets it), each marked (``last[0]``: the last); each chunk's bytes,
+        lease and mark by its start. Nothing here waits."""
+        streams = self.streams
         sizes = [self.chunk_bytes(c.num_tokens) for c in window]
         total = sum(sizes)
-        buf = self._device_buffer(total)
+        buf = self._staging(total, half)
         lease = self.pool.lease(total)
         host = _host_tensor(lease.view) if lease is not None else \
             torch.empty(total, dtype=torch.uint8, pin_memory=self.on_cuda)
         if lease is not None:
             held.append(lease)
         pinned = lease.pinned if lease is not None else self.on_cuda
-        if self.stream is not None:
-            self.stream.wait_stream(self.compute_stream())  # the forward wrote these blocks
+        streams.side_waits_for_compute()  # the forward wrote these blocks
         offset = 0
-        with self._on_stream():
+        with streams.side():
             for first, k in self._runs(window):
                 chunk = window[first]
                 records = self._records(buf, offset, k, chunk.num_tokens)
                 run = slots[chunk.start:window[first + k - 1].end]
-                for layer, cache in enumerate(self.kv_caches):
-                    self.layout.gather_chunks(cache, run, records[:, layer])
+                if self._layer_copies is not None:
+                    self._layer_copies[1](run, records)
+                else:
+                    for layer, cache in enumerate(self.kv_caches):
+                        self.layout.gather_chunks(cache, run, records[:, layer])
                 offset += k * sizes[first]
-            host.copy_(buf, non_blocking=pinned)
-        if self.stream is not None:
-            self.stream.synchronize()  # the records are read next, on the host
+        view = lease.view if lease is not None else array_view(host.numpy())
+        out: dict[int, tuple[memoryview, Lease | None, Mark]] = {}
+        offset = 0
+        for chunk, n in zip(window, sizes):  # one copy per record: the store takes each once it is in
+            last[0] = streams.d2h(host[offset:offset + n], buf[offset:offset + n], pinned=pinned)
+            out[chunk.start] = (view[offset:offset + n], lease, last[0])
+            offset += n
+        self._staging_used(half)
         self.stats["save", "pinned" if pinned else "pageable"] += len(window)
         metrics.DEVICE_COPIES.inc(len(window), op="save", memory="pinned" if pinned else "pageable")
-        view = lease.view if lease is not None else array_view(host.numpy())
-        out: dict[int, tuple[memoryview, Lease | None]] = {}
-        offset = 0
-        for chunk, n in zip(window, sizes):
-            out[chunk.start] = (view[offset:offset + n], lease)
-            offset += n
         return out
 
     # -- load ------------------------------------------------------------------------------
@@ -279,23 +372,19 @@ class DeviceCopies:
                 self.layout.record_shape(cache, chunk.num_tokens, part.record_heads)
             return [shape] * len(self.kv_caches)
 
-        try:
-            for window in self._windows(keys, part):
-                staging = _Staging(self, window, slots, skip_tokens, part)
-                result = self.cache.load_staged(
-                    tokens, window, staging, shapes=shapes, namespace=namespace, hidden_dtype=hidden_dtype,
-                    hidden_shape=hidden_shape, pool=self.pool, before_place=before_place, counted=counted)
-                done += len(window)
-                total.reason = result.reason
-                if result.num_chunks:
-                    total.num_chunks += result.num_chunks
-                    total.num_tokens, total.last_header, total.hidden = \
-                        result.num_tokens, result.last_header, result.hidden
-                if result.num_chunks < len(window):
-                    break
-        finally:
-            if self.stream is not None:  # the next forward reads what was scattered
-                self.compute_stream().wait_stream(self.stream)
+        for window, half in self._plan(keys, part):
+            staging = _Staging(self, window, slots, skip_tokens, part, half)
+            result = self.cache.load_staged(
+                tokens, window, staging, shapes=shapes, namespace=namespace, hidden_dtype=hidden_dtype,
+                hidden_shape=hidden_shape, pool=self.pool, before_place=before_place, counted=counted)
+            done += len(window)
+            total.reason = result.reason
+            if result.num_chunks:
+                total.num_chunks += result.num_chunks
+                total.num_tokens, total.last_header, total.hidden = \
+                    result.num_tokens, result.last_header, result.hidden
+            if result.num_chunks < len(window):
+                break
         return done
 
 
@@ -304,7 +393,7 @@ class _Staging:
     verified ones scattered in one pass (``kvstore.prefix_cache.Staging``)."""
 
     def __init__(self, copies: DeviceCopies, window: Sequence[ChunkKey], slots: torch.Tensor, skip_tokens: int,
-                 part: HeadSlice | None = None) -> None:
+                 part: HeadSlice | None = None, half: int | None = None) -> None:
         self.copies = copies
         self.window = window
         self.slots = slots
@@ -312,10 +401,9 @@ class _Staging:
         self.part = part
         self.sizes = [copies.chunk_bytes(c.num_tokens, part) for c in window]
         self.offsets = [0, *np.cumsum(self.sizes).tolist()]
-        self.buf = copies._device_buffer(self.offsets[-1])
+        self.half = half
+        self.buf = copies._staging(self.offsets[-1], half)
         self.held: list[Lease] = []
-        stream = copies.stream
-        self.dma_done = torch.cuda.Event() if stream is not None else None  # type: ignore[no-untyped-call]
 
     def stage(self, index: int, chunk: ChunkKey, kv: memoryview, lease: Lease, *, decoded: bool = False) -> None:
         if len(kv) != self.sizes[index]:
@@ -324,24 +412,24 @@ class _Staging:
         dst = self.buf[self.offsets[index]:self.offsets[index + 1]]
         memory = "decoded" if decoded else "pinned" if lease.pinned else "pageable"
         self.held.append(lease.retain())  # the DMA may read it after this returns
-        with copies._on_stream():
-            dst.copy_(_host_tensor(kv), non_blocking=lease.pinned)
-            if self.dma_done is not None:
-                self.dma_done.record()
+        copies.streams.h2d(dst, _host_tensor(kv), pinned=lease.pinned)
         copies.stats["load", memory] += 1
         metrics.DEVICE_COPIES.inc(op="load", memory=memory)
 
     def place(self, count: int) -> None:
         copies = self.copies
+        streams = copies.streams
+        dmas = streams.copies_done()  # every DMA of this window
         try:
+            streams.side_waits(dmas)  # the scatter reads what they wrote (and the staging's next user follows)
             if count:
-                if copies.stream is not None:  # compute queued on these blocks lands before the scatter
-                    copies.stream.wait_stream(copies.compute_stream())  # (the DMAs into staging need not wait)
-                with copies._on_stream():
+                streams.side_waits_for_compute()  # compute queued on these blocks lands before the scatter
+                with streams.side():
                     self._scatter(count)
+                streams.compute_waits_for_side()  # the next forward reads what was scattered
         finally:
-            if self.dma_done is not None:
-                self.dma_done.synchronize()  # the DMAs only (recorded before the scatter): their memory goes back
+            copies._staging_used(self.half)
+            streams.host_waits(dmas)  # the DMAs only, not the scatter: their memory goes back
             for lease in self.held:
                 lease.release()
             self.held.clear()
@@ -372,5 +460,8 @@ class _Staging:
                 if k == 1:
                     continue
                 records, run = records[1:], run[chunk.num_tokens:]
+            if copies._layer_copies is not None and part is None:
+                copies._layer_copies[0](run, records)  # every layer in one launch
+                continue
             for layer, cache in enumerate(caches):
                 layout.scatter_chunks(cache, run, records[:, layer])

@@ -62,12 +62,15 @@ class KVTransfer:
 
     On an accelerator (or with ``device_path=True``, which the tests use on the CPU) the copies
     are ``DeviceCopies``: ``pinner`` registers host memory with the device (default: CUDA's),
-    and ``staging_bytes`` bounds the device memory a load or save stages at once.
+    and ``staging_bytes`` bounds the device memory a load or save stages at once; ``kernel``
+    picks how records move between the staging and the layers (``DeviceCopies``: ``"torch"``,
+    one launch per layer, or ``"triton"``, one for all).
     """
 
     def __init__(self, cache: PrefixCache, kv_caches: Sequence[torch.Tensor], layout: PagedLayout | str, *,
                  land: bool = True, save_from_blocks: bool = True, device_path: bool | None = None,
-                 pinner: HostPinner | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+                 pinner: HostPinner | None = None, staging_bytes: int = DEFAULT_STAGING_BYTES,
+                 kernel: str = "torch") -> None:
         if not kv_caches:
             raise ValueError("KVTransfer needs at least one layer's KV cache")
         self.cache = cache
@@ -105,7 +108,7 @@ class KVTransfer:
         if device_path is None:
             device_path = self.device.type != "cpu"
         self.copies: HostCopies | DeviceCopies = (
-            DeviceCopies(cache, self.kv_caches, self.layout, pinner=pinner, staging_bytes=staging_bytes)
+            DeviceCopies(cache, self.kv_caches, self.layout, pinner=pinner, staging_bytes=staging_bytes, kernel=kernel)
             if device_path else
             HostCopies(cache, self.kv_caches, self.layout, land=land, save_from_blocks=save_from_blocks))
         #: Where records are received and gathered (pinned on an accelerator).
@@ -123,6 +126,8 @@ class KVTransfer:
             lo, hi = int(used.min()), int(used.max())
             if lo < 0 or hi >= self.num_slots:
                 raise IndexError(f"slot {lo if lo < 0 else hi} is out of range for a cache of {self.num_slots} slots")
+        if isinstance(self.copies, DeviceCopies):  # pinned, non-blocking, on the transfer's own stream
+            return self.copies.device_slots(slots)
         return slots.to(self.device, torch.int64)
 
     @property

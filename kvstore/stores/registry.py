@@ -73,8 +73,8 @@ BACKENDS: list[Backend] = [
                   "(any process, any order of the list; adding a server moves about 1/N of the keys), every batch "
                   "split per server and sent to all of them at once. Same options as Redis, for every server; "
                   "a frozen server costs a batch one deadline."),
-    Backend("Mooncake Store", ("mooncake",), "kvstore.stores.mooncake:MooncakeStore",
-            "kvstore.stores.mooncake:MooncakeConfig", extra="mooncake",
+    Backend("Mooncake Store", ("mooncake",), "kvstore.stores.mooncake.store:MooncakeStore",
+            "kvstore.stores.mooncake.config:MooncakeConfig", extra="mooncake",
             forms=("mooncake://MASTER_HOST[:50051]?metadata=http://MASTER_HOST:8080/metadata&protocol=tcp&segment=4GiB",),
             notes="A distributed DRAM pool (`mooncake_master`, kvcache-ai/Mooncake) read and written with zero-copy "
                   "batch calls, straight into the reader's buffer pool (registered with the transfer engine over "
