@@ -62,7 +62,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -154,6 +154,8 @@ class _Staged:
     lease: Lease
     checked: CheckedRecord
     verdict: Future[None] | None  # None: verified already
+    #: Its lease goes back when its verdict is done (a load that stopped before it never waits).
+    later: bool = False
 
 
 def _verifiers() -> ThreadPoolExecutor:
@@ -518,9 +520,10 @@ class PrefixCache:
         start = time.perf_counter()
         arr = tokens_to_array(tokens)
         staged: list[_Staged] = []
+        last: list[_Staged] = []  # the last record placed: its hidden state is the result's
         try:
             if keys:
-                self._stage(keys, arr, expect, staging, staged, result, pool or self.pool, before_place)
+                self._stage(keys, arr, expect, staging, staged, result, pool or self.pool, before_place, last)
             older = self.auth.previous_key_spaces() if self.auth is not None and keys and keys[0].previous else []
             for j, space in enumerate(older[:len(keys[0].previous) if keys else 0]):
                 placed = result.num_chunks
@@ -529,14 +532,20 @@ class PrefixCache:
                 rest = keys[placed:]
                 result.reason = "hit"
                 more = self._stage([k.previous[j] for k in rest], arr, replace(expect, namespace=ns.with_key_space(space)),
-                                   staging, staged, result, pool or self.pool, before_place)
+                                   staging, staged, result, pool or self.pool, before_place, last)
                 self._remember(rest[:more], heal=False)
         finally:
             try:
                 staging.place(result.num_chunks)
             finally:
+                if last:  # one copy of a hidden state, the last record's, not one per record
+                    hidden = last[0].checked.hidden
+                    result.hidden = None if hidden is None else bytes(last[0].lease.view[hidden])
                 for record in staged:
-                    record.lease.release()
+                    if record.later and record.verdict is not None:  # a verifier still reads it
+                        record.verdict.add_done_callback(lambda _, lease=record.lease: lease.release())
+                    else:
+                        record.lease.release()
         metrics.HITS.inc(result.num_chunks)
         metrics.MISSES.inc(len(keys) - result.num_chunks)
         if self.count_tokens and counted:
@@ -546,10 +555,12 @@ class PrefixCache:
 
     def _stage(self, keys: Sequence[ChunkKey], arr: TokenIds, expect: _Expect, staging: Staging,
                staged: list[_Staged], result: LoadResult, pool: BufferPool,
-               before_place: Callable[[ChunkKey, Record], None] | None) -> int:
+               before_place: Callable[[ChunkKey, Record], None] | None, last: list[_Staged]) -> int:
         """Receive ``keys`` in one batch, stage each record that passes its header checks (up to
         the first that does not), then judge them in order; how many leading ones passed
-        (``result`` updated for each as it passes, ``result.reason`` says why it stopped)."""
+        (``result`` updated for each as it passes, ``last`` holds the last, ``result.reason`` says
+        why it stopped). Verdicts still running when it stops are not waited for: their records'
+        leases go back when they end (``_Staged.later``)."""
         first = len(staged)
         stream = self.store.get_into([k.key for k in keys], pool)
         try:
@@ -586,12 +597,13 @@ class PrefixCache:
                     view = record.lease.view
                     before_place(record.chunk, Record(record.checked.header, view[record.checked.body],
                                                       None if hidden is None else view[hidden]))
-                self._placed(record.chunk, record.checked, record.lease.view, result)
+                self._placed(record.chunk, record.checked, result)
+                last[:] = [record]
             return len(ours)
         finally:
-            # No verifier may still read a lease once the caller releases it.
-            pending = [r.verdict for r in ours if r.verdict is not None and not r.verdict.cancel()]
-            wait(pending)
+            # No verifier may still read a lease once it goes back: one still running keeps it.
+            for r in ours:
+                r.later = r.verdict is not None and not r.verdict.cancel() and not r.verdict.done()
 
     def _stage_one(self, chunk: ChunkKey, lease: Lease, arr: TokenIds, expect: _Expect, staging: Staging,
                    index: int, pool: BufferPool) -> _Staged:
@@ -622,12 +634,11 @@ class PrefixCache:
         self._discard(chunk.key)
         result.reason = "corrupt"
 
-    def _placed(self, chunk: ChunkKey, checked: CheckedRecord, view: memoryview, result: LoadResult) -> None:
+    def _placed(self, chunk: ChunkKey, checked: CheckedRecord, result: LoadResult) -> None:
+        """``chunk`` counts as loaded (its hidden state is copied once, by ``load_staged``, if it is the last)."""
         result.num_chunks += 1
         result.num_tokens = chunk.end
         result.last_header = checked.header
-        hidden = checked.hidden
-        result.hidden = None if hidden is None else bytes(view[hidden])
 
     def _tag_keys(self, ns: Namespace) -> TagKeys | None:
         return self.auth.for_salt(ns.cache_salt) if self.auth is not None else None

@@ -277,12 +277,12 @@ def test_a_pools_dropped_buffers_end_their_registrations_off_the_leasing_thread(
     pinner = SlowPinner(unpin_s=0.5)
     pool = BufferPool(1 << 20, pin=pinner)
     pool.lease(512 << 10).release()  # a free registered buffer of 512 KiB
-    start = time.perf_counter()
     lease = pool.lease(768 << 10)  # too large for it, and no room beside it: the free one is dropped
-    took = time.perf_counter() - start
-    assert lease is not None and lease.pinned and took < 0.25, took
+    returned = time.perf_counter()
+    assert lease is not None and lease.pinned
     assert flush_unpins(10)
     assert [name for name, _, _ in pinner.unpins] == ["kvstore-unpin"]
+    assert returned < pinner.unpins[0][2]  # the lease did not wait for the unregistration
     lease.release()
     del lease  # its view held the buffer too
     pool.clear()  # the last free buffer: its registration ends on the unpin thread too
