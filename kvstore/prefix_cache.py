@@ -543,7 +543,7 @@ class PrefixCache:
                     result.hidden = None if hidden is None else bytes(last[0].lease.view[hidden])
                 for record in staged:
                     if record.later and record.verdict is not None:  # a verifier still reads it
-                        record.verdict.add_done_callback(lambda _, lease=record.lease: lease.release())
+                        record.verdict.add_done_callback(functools.partial(_release_after, record.lease))
                     else:
                         record.lease.release()
         metrics.HITS.inc(result.num_chunks)
@@ -811,6 +811,11 @@ class PrefixCache:
             self.store.delete(key)
         except KVStoreError:
             pass
+
+
+def _release_after(lease: Lease, verdict: Future[None]) -> None:
+    """A staged lease goes back once the verdict that reads it is done."""
+    lease.release()
 
 
 def _verify_digest(lease: Lease, checked: CheckedRecord, auth: TagKeys | None) -> None:
