@@ -208,14 +208,16 @@ def test_gc_removes_expired_old_format_and_undecodable(store_url, capsys):
         # A valid record stored under another key: must not be served under the wrong name.
         moved = f"kvs{FORMAT_VERSION}/{fresh[0].split('/')[1]}/{'ee' * 16}"
         s.put(moved, s.get(fresh[0]))
+        # ... or under its own key, named as another head range's record.
+        s.put(fresh[0] + "/h0-1of2", s.get(fresh[0]))
     rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--older-than", "7d", "--dry-run", "--json")
     (t,) = json.loads(out)["tiers"]
-    assert t["removed"] == {"expired": 2, "undecodable:foreign": 1, "old-version": 1, "mismatch": 1}
+    assert t["removed"] == {"expired": 2, "undecodable:foreign": 1, "old-version": 1, "mismatch": 2}
     assert t["kept"] == 2 and t["newer_version"] == 1
     with open_store(store_url) as s:
         assert s.exists(junk) and all(s.exists(k) for k in old)  # dry run removes nothing
     rc, out, _ = run_cli(capsys, "gc", "--store", store_url, "--older-than", "7d", "--batch", "2")
-    assert rc == 0 and "removed 5" in out
+    assert rc == 0 and "removed 6" in out
     with open_store(store_url) as s:
         left = set(s.iter_keys())
     assert left == set(fresh) | {newer_format, "unrelated"}

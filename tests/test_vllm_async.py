@@ -1,5 +1,6 @@
 """The vLLM connector's background paths on real vLLM CPU engines: loads that run while the
-engine steps, a tier that freezes or is corrupted under them, aborts mid-load, tensor parallelism.
+engine steps, a tier that freezes or is corrupted under them, aborts mid-load (tensor parallelism:
+``tests/test_vllm_heads.py``).
 
 Every engine runs in its own process (``tests/vllm_engines.py``); the strongest check throughout
 is that greedy tokens equal those of vLLM alone (``tests/oracles.py``). A background load ends at
@@ -12,7 +13,6 @@ fresh reader's), the tokens are equal outright. Slow links come from
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -141,37 +141,3 @@ def test_a_corrupt_record_is_recomputed_and_the_cache_heals(model_dir, reference
     assert second["results"][0]["tokens"][0] == reference.warm[1]
     assert second["results"][0]["cached"][0] == reference.warm_cached[1] == 256
     store.close()
-
-
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two tensor-parallel ranks need two cores")
-def test_tensor_parallel_two_ranks_save_and_load_their_own_shards(model_dir, redis_server):
-    """TP=2 on vLLM CPU (VLLM_CPU_OMP_THREADS_BIND="0|1"): each rank stores its own KV-head
-    shard; a TP=2 reader hits what a TP=2 writer stored, with the tokens the writer computed after
-    its own prefix-cache hit of the same prompt (its second run: rule 1 of tests/oracles.py within
-    one TP size, whose all-reduce order is its own); a TP=1 reader does not load TP=2 shards."""
-    # The two ranks' OpenMP threads are pinned to both cores, and beside the rest of the suite
-    # (scripts/test-all) the store's and the lookup's deadlines (250 ms, 500 ms) or the cost
-    # model could, correctly, turn the hit into a recompute (seen on a starved CPU: a timed-out
-    # load, a lookup that answered too late, and once even a lookup past a 5 s deadline). Those
-    # paths are tested elsewhere; this test is about the shards, so it loads whatever it finds
-    # and waits for it.
-    url = f"redis://127.0.0.1:{redis_server.port}/0?prefix=tp2:&timeout=30s"
-    connector = {"store": [url], "chunk_tokens": 64, "load_policy": "always", "lookup_timeout": "30s"}
-    tp2 = {**ENGINE, "tensor_parallel_size": 2}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    write = run_engine({"model": model_dir, "connector": connector, "engine": tp2,
-                        "actions": [gen([P_S]), gen([P_S])]}, multiprocess=True, env=env, timeout=300)
-    store = open_store(url)
-    namespaces = {k.split("/")[1] for k in store.iter_keys()}
-    store.close()
-    assert len(namespaces) == 2  # one namespace per rank's shard
-    read = run_engine({"model": model_dir, "connector": connector, "engine": tp2,
-                       "actions": [gen([P_S])]}, multiprocess=True, env=env, timeout=300)
-    # The writer computed the whole prompt (nothing stored yet), then hit its own cache.
-    assert [r["cached"][0] for r in write["results"]] == [0, 288]
-    assert read["results"][0]["tokens"] == write["results"][1]["tokens"]
-    assert read["results"][0]["cached"][0] == 288, "\n".join(
-        line for line in read["log"].splitlines() if "kvstore" in line.lower())[-8000:]
-    tp1 = run_engine({"model": model_dir, "connector": connector,
-                      "engine": {**ENGINE, "enable_prefix_caching": False}, "actions": [gen([P_S])]})
-    assert tp1["results"][0]["cached"][0] == 0

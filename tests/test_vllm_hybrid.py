@@ -63,7 +63,8 @@ def _run(model: str, connector: dict | None, prompts: list[list[int]], block_siz
     first, again = generated[0::runs], generated[1::runs] if twice else []
     return {"tokens": [g["tokens"][0] for g in first], "cached": [g["cached"][0] for g in first],
             "logprobs": [g["logprobs"][0] for g in first],
-            "warm": [g["tokens"][0] for g in again], "warm_cached": [g["cached"][0] for g in again], **info}
+            "warm": [g["tokens"][0] for g in again], "warm_cached": [g["cached"][0] for g in again],
+            "warm_logprobs": [g["logprobs"][0] for g in again], **info}
 
 
 def _records_by_namespace(url: str) -> Counter[str]:
@@ -246,24 +247,31 @@ def test_mla_latents_load_with_identical_tokens(tmp_path_factory):
     assert sum(_records_by_namespace(url).values()) == -(-stored // CHUNK)
 
 
-def test_tensor_parallel_hybrid_stores_every_group_of_every_rank(tmp_path_factory):
-    """Gemma 2 at TP=2: each rank stores its shard of each group (4 namespaces) and a TP=2 reader
-    loads every group of every rank, with the tokens the TP=2 writer computed after its own
-    prefix-cache hit of the prompt (its second run: rule 1 of tests/oracles.py within one TP size,
-    whose all-reduce order is its own). Deadlines are relaxed: this test is about the shards."""
-    family = "gemma2"
+def test_a_tensor_parallel_hybrids_records_serve_another_tp_size(tmp_path_factory):
+    """Gemma 2 at TP=2: each rank stores its KV head of each group (2 namespaces, one per group,
+    each holding both heads' records); a TP=1 reader loads every group of the stored prefix,
+    joining the two heads' records, windows included. Its KV was computed at TP=2, whose
+    all-reduces round otherwise: float32, and the tokens continue vLLM alone at TP=1 after its own
+    hit up to its first near tie (rule 2 of tests/oracles.py; tests/test_vllm_heads.py holds the
+    other directions and the byte-for-byte checks). Deadlines are relaxed: this test is about the heads."""
+    family, dtype = "gemma2", "float32"
     model = str(vllm_families.write_family_model(family, tmp_path_factory.mktemp(family + "-tp")))
     prompt = _prompt(family, 45, 300)
     url = f"file://{tmp_path_factory.mktemp(family + '-tp-kv')}"
     connector = {"store": [url], "chunk_tokens": CHUNK, "load_policy": "always", "lookup_timeout": "30s"}
-    tp2 = {"tensor_parallel_size": 2, "max_model_len": 1024}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    write = run_engine({"model": model, "connector": connector, "engine": tp2,
-                        "actions": [gen([prompt]), gen([prompt])]}, multiprocess=True, env=env, timeout=300)
-    assert len(_records_by_namespace(url)) == 4  # 2 groups x 2 ranks
-    read = run_engine({"model": model, "connector": connector, "engine": tp2, "actions": [gen([prompt])]},
-                      multiprocess=True, env=env, timeout=300)
+    write = run_engine({"model": model, "connector": connector,
+                        "engine": {"tensor_parallel_size": 2, "max_model_len": 1024, "dtype": dtype},
+                        "actions": [gen([prompt])]}, multiprocess=True, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                       timeout=300)
+    assert write["results"][0]["cached"] == [0]
+    with open_store(url) as store:
+        keys = list(store.iter_keys())
+    assert len({k.split("/")[1] for k in keys}) == 2  # one namespace per group, none per rank
+    assert {k.rsplit("/", 1)[1] for k in keys} == {"h0-1of2", "h1-2of2"}
+    alone = _run(model, None, [prompt], twice=True, dtype=dtype)
+    reader = _run(model, connector, [prompt], dtype=dtype)
     stored = lookup_limit(len(prompt), vllm_model.BLOCK_SIZE)
-    assert [r["cached"][0] for r in write["results"]] == [0, stored]
-    assert read["results"][0]["cached"][0] == stored
-    assert read["results"][0]["tokens"] == write["results"][1]["tokens"]
+    assert alone["warm_cached"] == reader["cached"] == [stored]
+    assert reader["kvstore"]["tokens_loaded"] == stored  # every group, both heads
+    assert_continuation(reader["tokens"][0], alone["warm"][0], alone["warm_logprobs"][0], dtype=dtype,
+                        got_logprobs=reader["logprobs"][0], what="TP=1 reader of a TP=2 Gemma 2")

@@ -469,6 +469,49 @@ def test_a_reader_of_another_tp_size_loads_every_head_through_the_connector(kind
     assert ask(sched_r, fake_request("r2", tokens), 0)[0] < 288
 
 
+@pytest.mark.parametrize("writer, reason", [
+    (None, "absent"),
+    (dict(opts={"chunk_tokens": 128}), "chunk_tokens"),
+    (dict(facts={"kv_dtype": "float16"}), "kv_dtype"),
+    (dict(facts={"isa": "amx"}), "cpu_isa"),
+    (dict(legacy=2), "format"),  # a TP=2 engine of record format 2: keyed by rank, no head range
+])
+def test_a_miss_is_counted_by_the_configuration_whose_records_it_found(writer, reason):
+    """A lookup that finds nothing asks (off the step, once per miss_probe_interval) whether the
+    prompt's first chunk is stored under a sibling configuration, and counts the miss by it; a
+    second miss within the interval is not asked about."""
+    from kvstore.connectors.vllm.facts import legacy_namespace
+    from kvstore.keys import chunk_keys
+    from kvstore.metrics.catalog import LOOKUP_MISSES
+
+    store, tokens = MemoryStore(), list(range(4000, 4300))
+    if writer is not None:
+        opts = parse_options({"store": "memory://", "chunk_tokens": 64, **writer.get("opts", {})})
+        f = facts(**writer.get("facts", {}))
+        if "legacy" in writer:
+            ns = legacy_namespace(facts(tp_size=writer["legacy"]), opts, 0, writer["legacy"])
+            first = chunk_keys(ns, tokens[:288], max_chunks=1)[0]
+        else:
+            ns = build_namespace(f, opts, 0)[0]
+            first = chunk_keys(ns, tokens[:288], max_chunks=1, heads=HeadRange(0, 2, 2))[0]
+        store.put(first.key, b"a record")
+    sched = make_connector("scheduler", store, facts(), **SYNC)
+
+    def counted(why: str, before: float) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if LOOKUP_MISSES.value(reason=why) > before:
+                return True
+            time.sleep(0.01)
+        return False
+
+    before = {r: LOOKUP_MISSES.value(reason=r) for r in (reason, "unprobed")}
+    assert ask(sched, fake_request("miss", tokens), 0) == (0, False)
+    assert counted(reason, before[reason])
+    assert ask(sched, fake_request("again", tokens), 0) == (0, False)
+    assert counted("unprobed", before["unprobed"])
+
+
 def test_with_async_scheduling_the_step_planned_before_a_failure_was_seen_saves_nothing():
     """With vLLM's async scheduling, step s+1 is planned before step s's output: a save of the
     failed request in it could cover garbage. Only the steps planned after it are trusted."""

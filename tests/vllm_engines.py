@@ -241,24 +241,28 @@ class OpenAIServer(ServerProcess):
     """vLLM's OpenAI server for token-id prompts (no tokenizer), the model served as ``m``, with
     kvstore's connector in ``role`` over ``conn`` (no connector when ``conn`` is None); started
     through ``vllm_worker.py --openai``, so it runs the kernels of every test engine.
-    ``cores``: vLLM's OMP threads bound to them (``"0"``, ``"0,1"``); with ``taskset``, the
-    server's every process too."""
+    ``cores``: vLLM's OMP threads bound to them (``"0"``, ``"0,1"``; ``"0|1"`` for two TP ranks);
+    with ``taskset``, the server's every process too. ``connector_module``: where vLLM finds the
+    connector (default: by name, through kvstore's plugin); ``env``: more environment."""
 
     def __init__(self, model: str, workdir: Path, *, name: str = "server", role: str = "kv_both",
                  conn: dict | None = None, dtype: str = "bfloat16", block_size: int = 32, cores: str | None = None,
-                 taskset: bool = False, kv_cache_gib: int = 1, extra: tuple[str, ...] = ()) -> None:
+                 taskset: bool = False, kv_cache_gib: int = 1, extra: tuple[str, ...] = (),
+                 connector_module: str | None = None, env: dict | None = None) -> None:
         port = free_port()
         argv = [sys.executable, str(WORKER), "--openai", "--model", model,
                 "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", dtype, "--max-model-len", "4096",
                 "--enforce-eager", "--block-size", str(block_size), "--seed", "0", "--host", "127.0.0.1",
                 "--port", str(port), "--enable-prompt-tokens-details", *extra]
         if conn is not None:
-            argv += ["--kv-transfer-config", json.dumps({"kv_connector": "KVStoreConnector", "kv_role": role,
-                                                         "kv_connector_extra_config": conn})]
-        env = engine_env(multiprocess=True)
+            config = {"kv_connector": "KVStoreConnector", "kv_role": role, "kv_connector_extra_config": conn}
+            if connector_module:
+                config["kv_connector_module_path"] = connector_module
+            argv += ["--kv-transfer-config", json.dumps(config)]
+        env = engine_env(env, multiprocess=True)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
         if cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cores.replace(",", "-")
             if taskset:
-                argv = ["taskset", "-c", cores, *argv]
+                argv = ["taskset", "-c", cores.replace("|", ","), *argv]
         super().__init__(name, argv, port, workdir, env)

@@ -3,7 +3,9 @@
     python tests/vllm_worker.py '<spec json>'     (or @FILE holding the spec json)
 
 Spec: ``model`` (a directory), ``connector`` (``kv_connector_extra_config`` or null for no
-connector), ``role`` (vLLM kv_role, default kv_both), ``engine`` (extra ``LLM(...)`` arguments),
+connector), ``connector_module`` (where ``KVStoreConnector`` is, default ``connectors.vllm_v1``;
+``tests.vllm_dump_connector`` writes the KV it saves and loads to files), ``role`` (vLLM kv_role,
+default kv_both), ``engine`` (extra ``LLM(...)`` arguments),
 ``actions``: a list of
 
 * ``{"generate": [[token ids], ...], "max_tokens": 16, "salt": null, "logprobs": null}``: one
@@ -58,7 +60,7 @@ def main(spec: dict) -> dict:
         from vllm.config import KVTransferConfig
 
         kwargs["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVStoreConnector", kv_connector_module_path="connectors.vllm_v1",
+            kv_connector="KVStoreConnector", kv_connector_module_path=spec.get("connector_module", "connectors.vllm_v1"),
             kv_role=spec.get("role", "kv_both"), kv_connector_extra_config=spec["connector"])
     start = time.perf_counter()
     llm = LLM(**kwargs)

@@ -32,7 +32,7 @@ from kvstore.cli.tiers import (
 )
 from kvstore.config import parse_duration
 from kvstore.errors import ConfigError, CorruptRecordError
-from kvstore.keys import FORMAT_VERSION, KEY_STEM, namespace_prefix, split_key
+from kvstore.keys import FORMAT_VERSION, KEY_STEM, key_heads, namespace_prefix, split_key
 from kvstore.record import decode_record, header_extent, read_header
 
 
@@ -114,6 +114,9 @@ def gc_verdict(key: str, value: bytes | memoryview, *, now: float, older_than: f
     except CorruptRecordError as exc:
         return f"undecodable:{exc.reason}"
     if header.namespace[:8].hex() != parts[1] or header.key.hex() != parts[2]:
+        return "mismatch"
+    named = key_heads(key)
+    if header.heads != (None if named is None else named.as_tuple()):  # a record under another head range's key
         return "mismatch"
     if older_than is not None and now - header.created > older_than:
         return "expired"
