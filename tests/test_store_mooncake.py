@@ -37,6 +37,7 @@ def fresh(master, **options):
     from kvstore.stores.mooncake import MooncakeStore
 
     options.setdefault("segment", 0)
+    options.setdefault("deadline", "5s")  # the tests of deadlines give their own; the rest run beside vLLM in CI
     store = open_store(master.url_for(prefix=f"t{os.getpid()}-{next(_prefixes)}/", **options))
     assert isinstance(store, MooncakeStore)
     return store
@@ -227,7 +228,7 @@ def test_a_record_in_pieces_is_gathered_with_its_trailer_and_a_lease_is_sent_whe
 
 # -- a tiered store: memory -> mooncake -> file ----------------------------------------------------------
 def test_tiered_memory_mooncake_file(mooncake_master, tmp_path):
-    url = mooncake_master.url_for(prefix=f"tiered{os.getpid()}/", segment=0)
+    url = mooncake_master.url_for(prefix=f"tiered{os.getpid()}/", segment=0, deadline="5s")
     items = [(f"{_K}/tier/{i}", os.urandom(1 << 20)) for i in range(8)]
     writer = open_store(["memory://?max_bytes=64MiB", url, f"file://{tmp_path}"])
     try:

@@ -57,8 +57,8 @@ class MooncakeConfig:
     window: int = option(256 << 20, kind="size", lo=1 << 20, hi=1 << 36,
                          help="Bytes one batch read moves at most: a load reads window after window, the next "
                               "one arriving while the reader verifies this one.")
-    workers: int = option(4, lo=1, hi=64, help="Threads that call the client (each call runs on one with its "
-                                               "deadline).")
+    workers: int = option(16, lo=1, hi=64, help="Threads that call the client (each call runs on one, its "
+                                                "deadline counted from when it was asked for, waiting included).")
     staging: int = option(256 << 20, kind="size", lo=1 << 20, hi=1 << 40,
                           help="Registered memory of the store's own, for values written in several pieces "
                                "(gathered into one) and for `get_many`.")
