@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from gpu_common import (
     Prefix,
     copy_ceilings,
     med,
+    noted,
     redis_servers,
     shards_url,
     shm_store,
@@ -169,12 +169,8 @@ class Table:
         self.write()
 
     def run(self, label: str, fn: Callable[[], object]) -> object:
-        try:
-            return fn()
-        except Exception as exc:
-            self.note(f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            traceback.print_exc(file=sys.stderr)
-            return None
+        """``fn()``, or None where it failed (a note row)."""
+        return noted(label, fn, self.note)
 
     def write(self) -> None:
         if self.path:

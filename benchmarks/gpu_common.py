@@ -177,6 +177,17 @@ def shm_store(tag: str, max_bytes: int) -> Iterator[tuple[Store, str]]:
         shutil.rmtree(os.path.join(root, f"kvstore-{name}"), ignore_errors=True)
 
 
+def noted(label: str, fn: Callable[[], object], note: Callable[[str], None]) -> object:
+    """``fn()``, or None where it raised: its failure goes to ``note`` (the exception's type and
+    first line; the traceback to stderr), so that one failing row never ends a benchmark."""
+    try:
+        return fn()
+    except Exception as exc:
+        note(f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        traceback.print_exc(file=sys.stderr)
+        return None
+
+
 class Rows:
     """A benchmark's table, printed and written as it grows: each row is printed (and flushed)
     the moment it is measured and the JSON file (``path``) rewritten, so that a row that fails,
@@ -217,13 +228,10 @@ class Rows:
 
     def run(self, label: str, fn: Callable[[], object]) -> bool:
         """``fn()`` (which adds rows), its failure a note; whether it succeeded."""
-        try:
+        def call() -> bool:
             fn()
             return True
-        except Exception as exc:
-            self.note(f"{label}: failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            traceback.print_exc(file=sys.stderr)
-            return False
+        return noted(label, call, self.note) is True
 
     def write(self) -> None:
         if self.path:

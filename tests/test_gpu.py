@@ -182,7 +182,7 @@ def test_shm_registrations_end_when_the_mappings_go():
     from kvstore.stores import open_store
 
     pinner = cuda_pinner()
-    assert pinner is not None
+    assert pinner is not None and pinner.read_only_supported() is not None
     name = f"gpu-reg-{uuid.uuid4().hex[:8]}"
     root, _ = memory_root(256 << 20)
     before = pinner.stats()
@@ -191,7 +191,9 @@ def test_shm_registrations_end_when_the_mappings_go():
             src, dst = _caches("flash-2bnhd", 14), _caches("flash-2bnhd", 15)
             tokens, slots = list(range(256)), slots_from_block_table(list(range(16)), N, 256, device="cuda")
             KVTransfer(PrefixCache(store, _flash_ns("gpu-reg")), src, FlashLayout()).save_sequence(tokens, slots)
-            KVTransfer(PrefixCache(store, _flash_ns("gpu-reg")), dst, FlashLayout()).load_sequence(tokens, slots)
+            loader = KVTransfer(PrefixCache(store, _flash_ns("gpu-reg")), dst, FlashLayout())
+            assert loader.load_sequence(tokens, slots.cpu())[0] == 256  # host slots, as vLLM's
+            assert dict(loader.copies.stats) == {("load", "pinned"): 4}
             assert pinner.stats()["pinned"] - before["pinned"] >= 4
         gc.collect()
         assert flush_unpins(30)  # registrations end on the unpin thread
@@ -303,32 +305,3 @@ def test_a_load_in_windows_beside_a_busy_forward_lands_every_window():
     saver = KVTransfer(PrefixCache(MemoryStore(), ns), src, lay, staging_bytes=2 * record)
     _busy(200)
     assert saver.save_sequence(tokens, slots_from_block_table(list(range(32)), N, 512)) == 8
-
-
-def test_registrations_end_on_the_unpin_thread_once_the_mappings_go():
-    import gc
-    import shutil
-    import uuid
-
-    from kvstore.pinned import cuda_pinner, flush_unpins
-    from kvstore.stores import open_store
-
-    pinner = cuda_pinner()
-    assert pinner is not None and pinner.read_only_supported() is not None
-    name = f"gpu-unpin-{uuid.uuid4().hex[:8]}"
-    root, _ = memory_root(256 << 20)
-    before = pinner.stats()
-    try:
-        with open_store(f"shm://{name}?max_bytes=256MiB&root={root}") as store:
-            src, dst = _caches("flash-2bnhd", 27), _caches("flash-2bnhd", 28)
-            tokens, slots = list(range(256)), slots_from_block_table(list(range(16)), N, 256)
-            KVTransfer(PrefixCache(store, _flash_ns("gpu-unpin")), src, FlashLayout()).save_sequence(tokens, slots)
-            loader = KVTransfer(PrefixCache(store, _flash_ns("gpu-unpin")), dst, FlashLayout())
-            assert loader.load_sequence(tokens, slots)[0] == 256
-            assert dict(loader.copies.stats) == {("load", "pinned"): 4}
-        gc.collect()
-        assert flush_unpins(30)
-        after = pinner.stats()
-        assert after["unpinned"] - before["unpinned"] >= 4 and after["failed"] == before["failed"]
-    finally:
-        shutil.rmtree(f"{root}/kvstore-{name}", ignore_errors=True)
