@@ -27,6 +27,7 @@ from kvstore.heads import (
 )
 from kvstore.keys import HeadRange, Namespace, chunk_keys
 from kvstore.paged import BHNCLayout, CPUPackedLayout, KVTransfer, slots_from_block_table
+from kvstore.paged.kernels import BlockBytes
 from kvstore.prefix_cache import PrefixCache, covered_by_tier
 from kvstore.stores import open_store
 from kvstore.stores.tiered import TieredStore
@@ -132,11 +133,24 @@ SRC = [5, 2, 9, 12, 0, 7]
 DST = [3, 14, 1, 8, 10, 6]
 
 
-@pytest.mark.parametrize("device_path", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("path", ["host", "host-landing", "device"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("writer_tp, reader_tp", [(2, 1), (1, 2), (4, 2), (2, 4), (1, 4), (4, 4)])
-def test_readers_of_any_tp_size_load_the_writers_bytes_for_their_heads(layout, writer_tp, reader_tp, device_path):
-    store = open_store("memory://")
+def test_readers_of_any_tp_size_load_the_writers_bytes_for_their_heads(layout, writer_tp, reader_tp, path, tmp_path,
+                                                                        monkeypatch):
+    """``host-landing``: a file store, which receives piece by piece: on vLLM CPU's pages every
+    record lands in the blocks (the heads the rank does not hold into scratch), counted."""
+    device_path = path == "device"
+    store = open_store(f"file://{tmp_path}") if path == "host-landing" else open_store("memory://")
+    landed = []
+    real = BlockBytes.part_targets
+
+    def spy(self, *args, **kw):
+        out = real(self, *args, **kw)
+        landed.append(out is not None)
+        return out
+
+    monkeypatch.setattr(BlockBytes, "part_targets", spy)
     written = _full_cache(1)
     src_slots = slots_from_block_table(SRC, BS, TOKENS)
     for r in range(writer_tp):
@@ -158,6 +172,8 @@ def test_readers_of_any_tp_size_load_the_writers_bytes_for_their_heads(layout, w
             assert torch.equal(mine[layer][DST], written[layer][SRC][:, heads.start:heads.end])
         untouched = [b for b in range(NB) if b not in DST]
         assert all(not mine[layer][untouched].any() for layer in range(L))
+    # Other ranges' records land in the blocks (every one) exactly where a file store meets CPU pages.
+    assert all(landed) and bool(landed) == (path == "host-landing" and layout == "vllm-cpu-vec" and writer_tp != reader_tp)
 
 
 @pytest.mark.parametrize("device_path", [False, True], ids=["host", "device"])
@@ -179,6 +195,27 @@ def test_a_join_stops_where_one_range_falls_short_and_skips_a_local_hit(device_p
     for layer in range(L):
         assert torch.equal(mine[layer][loaded], written[layer][SRC[1:(2 * CHUNK) // BS]])
         assert not mine[layer][DST[0]].any()
+
+
+def test_a_damaged_record_of_another_range_that_landed_ends_the_load_there(tmp_path):
+    """Records of other heads land in the blocks before their checksum is known (as a rank's own
+    do): one that then fails is a miss, and the load counts only the chunks before it."""
+    from kvstore.testing.damage import flip_byte
+
+    store = open_store(f"file://{tmp_path}")
+    written = _full_cache(3)
+    src_slots = slots_from_block_table(SRC, BS, TOKENS)
+    for r in range(2):
+        heads = rank_heads(r, 2, H)
+        _transfer(store, "vllm-cpu-vec", _rank_caches(written, heads), heads).save_sequence(TOKEN_IDS, src_slots)
+    mine = [torch.zeros(NB, H, BS, 2 * D) for _ in range(L)]
+    xfer = _transfer(store, "vllm-cpu-vec", mine, R(0, 4, 4))
+    second = xfer.keys(TOKEN_IDS)[1].with_heads(R(2, 4, 4)).key
+    flip_byte(store, second, offset=-100)  # in the KV: lands, then fails its checksum
+    got, _ = xfer.load_sequence(TOKEN_IDS, slots_from_block_table(DST, BS, TOKENS), sources=[R(0, 2, 4), R(2, 4, 4)])
+    assert got == CHUNK and store.get(second) is None  # discarded, a miss from there
+    for layer in range(L):
+        assert torch.equal(mine[layer][DST[:CHUNK // BS]], written[layer][SRC[:CHUNK // BS]])
 
 
 def test_sources_that_do_not_cover_the_cache_are_refused():

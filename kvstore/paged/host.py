@@ -10,7 +10,10 @@
   paged cache straight from there (the numpy kernels, ``kvstore.paged.kernels``). A store that
   receives piece by piece (Redis, files) lands each record's KV in the blocks themselves, once
   its header passed every check; its checksum and tag are checked when its last byte is in, and
-  a record that fails them is a miss like any other.
+  a record that fails them is a miss like any other. A record of other KV heads than the cache
+  holds (another TP size's) lands the same way on vLLM CPU's pages, its heads' pages into the
+  blocks' and any head the cache does not hold into a leased scratch buffer; elsewhere it is
+  verified in its lease and the heads both hold scattered (torch, through host staging).
 
 Layouts the numpy kernels cannot address (token rows at odd strides) are copied with the
 layout's torch ``gather`` / ``scatter`` through host staging.
@@ -54,6 +57,11 @@ class HostCopies:
             blocks = None
         self._landing = blocks if land else None
         self._sources = blocks if save_from_blocks else None
+        # One head's page of one block, per token (records of other heads land by pages).
+        first = self.kv_caches[0]
+        self._heads = layout.num_heads(first)
+        self._page_bytes = first[0].numel() * first.element_size() // max(1, self._heads * layout.block_size(first)) \
+            if layout.head_pages else 0
 
     @property
     def lands_in_cache(self) -> bool:
@@ -129,21 +137,41 @@ class HostCopies:
         def sink(chunk: ChunkKey, record: Record) -> None:
             if before_place is not None:
                 before_place(chunk, record)
+            if record.landed:
+                return
             if part is not None:
                 self._scatter_part(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start), part)
-            elif not record.landed:
+            else:
                 self._scatter(slots[chunk.start:chunk.end], record.kv, max(0, skip_tokens - chunk.start))
 
-        landing = self._landing if part is None else None
+        landing = self._landing if part is None or self.layout.head_pages else None
         land = None
-        if landing is not None:
+        scratch: list[Lease] = []  # where the heads of a record this cache does not hold land
+        if landing is not None and part is None:
             def land(chunk: ChunkKey) -> list[memoryview] | None:
                 # Never into blocks before skip_tokens: they may be shared with other requests.
                 return landing.targets(slots[chunk.start:chunk.end]) if chunk.start >= skip_tokens else None
+        elif landing is not None and part is not None:
+            def land(chunk: ChunkKey) -> list[memoryview] | None:
+                if chunk.start < skip_tokens:
+                    return None
+                unneeded = (part.record_heads - part.count) * self._page_bytes * chunk.num_tokens * len(self.kv_caches)
+                lease = self.pool.lease(unneeded) if unneeded else None
+                if unneeded and lease is None:
+                    return None  # no room: received whole, then scattered
+                if lease is not None:
+                    scratch.append(lease)
+                return landing.part_targets(slots[chunk.start:chunk.end], self._heads, part.record_heads, part.src_at,
+                                            part.dst_at, part.count,
+                                            lease.view if lease is not None else memoryview(b""))
 
-        return self.cache.load(tokens, keys, sink, land=land, shapes=lambda c: self._shapes(c.num_tokens, part),
-                               namespace=namespace, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape,
-                               counted=counted)
+        try:
+            return self.cache.load(tokens, keys, sink, land=land, shapes=lambda c: self._shapes(c.num_tokens, part),
+                                   namespace=namespace, hidden_dtype=hidden_dtype, hidden_shape=hidden_shape,
+                                   counted=counted)
+        finally:
+            for lease in scratch:
+                lease.release()
 
     def _scatter_part(self, slots: torch.Tensor, kv: Buffer, skip: int, part: HeadSlice) -> None:
         """``part``'s heads of a record's KV bytes into the cache at ``slots[skip:]`` (staged first:

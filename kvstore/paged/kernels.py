@@ -156,6 +156,41 @@ class BlockBytes:
         size = len(self.rows[0]) // self.item
         if ids.min() < 0 or ids.max() >= size:
             return None
+        return self._runs(ids)
+
+    def part_targets(self, slots: torch.Tensor, heads: int, record_heads: int, src_at: int, dst_at: int,
+                     count: int, scratch: memoryview) -> list[memoryview] | None:
+        """Where a record of ``record_heads`` KV heads per block lands in a cache of ``heads`` heads
+        per block (vLLM CPU's pages: each block a run of head pages), in record order: per layer
+        and block, its heads ``[src_at, src_at + count)`` into the cache's heads ``[dst_at, ...)``
+        and every other head into ``scratch`` (each piece a region of its own, so bytes received in
+        one call never overwrite each other before they are hashed), which must hold them all.
+        None where ``slots`` are not whole blocks or the cache not viewable so."""
+        if not self.rows or slots.device.type != "cpu" or self.item % heads:
+            return None
+        ids = _whole_blocks(slots.numpy(), self.block_size)
+        size = len(self.rows[0]) // self.item if self.rows else 0
+        if ids is None or ids.min() < 0 or ids.max() >= size:
+            return None
+        page = self.item // heads
+        before, after = src_at * page, (record_heads - src_at - count) * page
+        if len(scratch) < (before + after) * len(ids) * len(self.rows):
+            return None
+        out: list[memoryview] = []
+        at = 0
+        for row in self.rows:
+            for block in ids.tolist():
+                if before:
+                    out.append(scratch[at:at + before])
+                    at += before
+                start = block * self.item + dst_at * page
+                out.append(row[start:start + count * page])
+                if after:
+                    out.append(scratch[at:at + after])
+                    at += after
+        return out
+
+    def _runs(self, ids: np.ndarray) -> list[memoryview]:
         cuts = np.flatnonzero(np.diff(ids) != 1) + 1
         starts = np.concatenate(([0], cuts))
         ends = np.concatenate((cuts, [ids.size]))

@@ -75,6 +75,9 @@ class PagedLayout(ABC):
     granularity: Literal["token", "block"]
     #: ``(cache axis, chunk_shape axis)`` along which KV heads lie; None: not cut by head.
     head_axes: tuple[int, int] | None = None
+    #: Whether each block's bytes are its heads' pages one after another (vLLM CPU's pages), so
+    #: that a head range of a block is one run of its bytes (records of other heads land there).
+    head_pages = False
 
     @abstractmethod
     def block_size(self, cache: torch.Tensor) -> int:
@@ -323,6 +326,7 @@ class CPUPackedLayout(PagedLayout):
 
     granularity: Literal["token", "block"] = "block"
     head_axes = (1, 1)
+    head_pages = True
 
     def __init__(self, isa: str = "vec") -> None:
         self.isa = isa
