@@ -142,6 +142,7 @@ class DeviceCopies:
         # the side stream's last use of each half (a DMA into it waits for that).
         self._arena: torch.Tensor | None = None
         self._half = max(_ALIGN, staging_bytes // 2 // _ALIGN * _ALIGN)
+        self._slot = 0  # the halves' size so far
         self._used: list[Mark] = [None, None]
         if kernel not in KERNELS:
             raise ValueError(f"kernel={kernel!r}; accepted: {', '.join(KERNELS)}")
@@ -192,17 +193,26 @@ class DeviceCopies:
                 triton_copy.LayerGather(self.kv_caches, self.layout))
 
     def _staging(self, nbytes: int, half: int | None) -> torch.Tensor:
-        """``nbytes`` of device staging (uint8): the whole of it (``half`` None: a single window),
-        or one of its two halves; the copy stream's next DMAs wait for the side stream's last use
-        of that memory. Grows (one allocation, for the side and copy streams) as needed."""
-        start = 0 if half is None else half * self._half
-        end = start + nbytes if half is None else max(start + nbytes, 2 * self._half)
-        arena = self._arena
-        if arena is None or arena.numel() < end:
-            self._arena = arena = None  # the smaller one goes back before the larger one is allocated
-            self._arena = arena = self.streams.staging(end)
+        """``nbytes`` of device staging (uint8): from its start (``half`` None: a window that
+        takes it whole), or in one of its two halves; the copy stream's next DMAs wait for the
+        side stream's last use of that memory. One allocation for the side and copy streams,
+        grown as needed (halves as large as the largest window seen, up to ``staging_bytes / 2``:
+        where they grow they move, and the DMAs wait for every earlier use)."""
         used = self._used
-        self.streams.copy_waits(used[half] if half is not None else used[self._last_half])
+        if half is None:
+            start, wait = 0, used[self._last_half]  # the later mark: the side stream is in order
+        else:
+            if nbytes > self._slot:
+                self._slot = min(self._half, -(-nbytes // _ALIGN) * _ALIGN)
+                wait = used[self._last_half]
+            else:
+                wait = used[half]
+            start = half * self._slot
+        arena = self._arena
+        if arena is None or arena.numel() < start + nbytes:
+            self._arena = arena = None  # the smaller one goes back before the larger one is allocated
+            self._arena = arena = self.streams.staging(start + nbytes)
+        self.streams.copy_waits(wait)
         return arena[start:start + nbytes]
 
     _last_half = 0  # which half's mark is the later one (the side stream is in order: it covers both)
@@ -223,13 +233,19 @@ class DeviceCopies:
 
     def _plan(self, keys: Sequence[ChunkKey], part: HeadSlice | None = None
               ) -> list[tuple[Sequence[ChunkKey], int | None]]:
-        """``keys`` in windows, each with the staging half it uses: one window of the whole
-        staging where every record fits in it, else windows of half of it in turn (0, 1, 0, ...:
-        one is staged while the other is scattered or copied out), or, where a single record
-        outgrows a half, windows of the whole staging one after another."""
+        """``keys`` in windows, each with the staging half it uses: one window in the half the
+        last one did not use where every record fits in it (a load or save right after another
+        does not wait for the other's scatter or copies), one of the whole staging where they fit
+        in that, else windows of half of it in turn (0, 1, 0, ...: one is staged while the other is
+        scattered or copied out), or, where a single record outgrows a half, windows of the whole
+        staging one after another."""
         sizes = [self.chunk_bytes(c.num_tokens, part) for c in keys]
+        if not keys:
+            return []
+        if sum(sizes) <= self._half:
+            return [(keys, 1 - self._last_half)]
         if sum(sizes) <= self.staging_bytes:
-            return [(keys, None)] if keys else []
+            return [(keys, None)]
         budget = self._half if max(sizes) <= self._half else self.staging_bytes
         windows: list[Sequence[ChunkKey]] = []
         start, size = 0, 0
@@ -240,7 +256,7 @@ class DeviceCopies:
             size += n
         windows.append(keys[start:])
         halves = budget == self._half
-        return [(w, i % 2 if halves else None) for i, w in enumerate(windows)]
+        return [(w, (1 - self._last_half + i) % 2 if halves else None) for i, w in enumerate(windows)]
 
     def _records(self, buf: torch.Tensor, offset: int, k: int, num_tokens: int,
                  part: HeadSlice | None = None) -> torch.Tensor:
