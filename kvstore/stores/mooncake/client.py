@@ -163,8 +163,8 @@ class Connection:
         self._probe(host, int(port))
         me = s.host or local_address(host, int(port))
         client = MooncakeDistributedStore()
-        # local_buffer_size 0: every call this package makes moves bytes between registered memory
-        # and the segments; the client's own staging buffer would only hold memory.
+        # local_buffer_size 0: every call this package makes moves bytes between its own buffers
+        # and the segments (zero-copy calls); the client's staging buffer would only hold memory.
         rc = client.setup(me, s.metadata, s.segment, 0, s.protocol, s.device, s.master)
         with self._lock:
             if rc != 0 or self._closed:
