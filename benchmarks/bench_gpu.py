@@ -266,8 +266,9 @@ class Bench:
         self.rows.add("load from shm://, that process's second load", [got["second"]], "copy_ pinned H2D", self.h2d)
 
     def busy_rows(self, store: Store) -> None:
-        """A load and a save beside a busy compute stream. Each row's seconds: from queueing the
-        forward to the call's return, against the call alone; the forward's own time noted."""
+        """A load and a save beside a busy compute stream. Each row's seconds: from the forward's
+        queueing (its kernels launched, running) to the call's return, against the call alone;
+        the forward's own time noted."""
         p, device = self.prefix, self.device
         busy = Busy(device, self.args.busy_ms)
         self.rows.note(f"the busy stream: {busy.n} chained matmuls, {med(busy.seconds) * 1e3:.0f} ms alone")
@@ -285,8 +286,8 @@ class Bench:
             for _ in range(self.reps):
                 p.clear()
                 sync(device)
-                start = time.perf_counter()
                 busy.queue()  # the engine's forward, queued on its stream
+                start = time.perf_counter()
                 if thread:
                     worker = threading.Thread(target=fn)
                     worker.start()

@@ -108,12 +108,14 @@ class Prefix:
 
 class Busy:
     """About ``ms`` milliseconds of matmuls queued on the calling thread's current stream (a
-    forward the engine has launched); calibrated once. Synchronous on the CPU."""
+    forward the engine has launched); calibrated once. A few hundred long kernels on CUDA, well
+    under the launch queue's depth (a full queue would block the host instead). Synchronous on
+    the CPU."""
 
     def __init__(self, device: torch.device, ms: float) -> None:
         self.device = device
         cuda = device.type == "cuda"
-        self.a = torch.randn(*(2 * (2048 if cuda else 256,)), device=device, dtype=torch.bfloat16 if cuda else torch.float32)
+        self.a = torch.randn(*(2 * (8192 if cuda else 256,)), device=device, dtype=torch.bfloat16 if cuda else torch.float32)
         self.n = 1
         one = timed(self.queue, 3, device)
         self.n = max(1, int(ms / 1e3 / max(med(one), 1e-6)))
