@@ -305,3 +305,32 @@ def test_a_load_in_windows_beside_a_busy_forward_lands_every_window():
     saver = KVTransfer(PrefixCache(MemoryStore(), ns), src, lay, staging_bytes=2 * record)
     _busy(200)
     assert saver.save_sequence(tokens, slots_from_block_table(list(range(32)), N, 512)) == 8
+
+
+def test_a_load_from_memory_on_cuda_hashes_its_records_once_not_per_load(monkeypatch):
+    """memory:// keeps the digest each record's seal computed at the put: loads on the GPU
+    compare digests, they do not hash the 268 MB again (the floor the first trace found)."""
+    import kvstore.buffers as buffers
+    import kvstore.record.decode as decode
+
+    hashed: list[int] = []
+    real = buffers.xxh3_digest
+
+    def counting(data):
+        hashed.append(memoryview(data).nbytes)
+        return real(data)
+
+    monkeypatch.setattr(buffers, "xxh3_digest", counting)
+    monkeypatch.setattr(decode, "xxh3_digest", counting)
+    store = MemoryStore()
+    src, dst = _caches("flash-2bnhd", 29), _caches("flash-2bnhd", 30)
+    tokens = list(range(512))
+    _transfer("flash-2bnhd", src, store).save_sequence(tokens, slots_from_block_table(list(range(32)), N, 512,
+                                                                                     device="cuda"))
+    loader = _transfer("flash-2bnhd", dst, store)
+    hashed.clear()
+    for _ in range(3):
+        assert loader.load_sequence(tokens, slots_from_block_table(list(range(32, 64)), N, 512))[0] == 512
+    torch.cuda.synchronize()
+    assert not [n for n in hashed if n >= 64 * L * 2 * H * D * 2]
+    assert all(torch.equal(d[:, 32:64], s[:, :32]) for d, s in zip(dst, src))
