@@ -226,11 +226,6 @@ class DeviceCopies:
             self._used[half] = mark
             self._last_half = half
 
-    def _windows(self, keys: Sequence[ChunkKey], part: HeadSlice | None = None) -> Iterator[Sequence[ChunkKey]]:
-        """``keys`` in runs whose records fit ``staging_bytes`` (at least one chunk each)."""
-        for window, _ in self._plan(keys, part):
-            yield window
-
     def _plan(self, keys: Sequence[ChunkKey], part: HeadSlice | None = None
               ) -> list[tuple[Sequence[ChunkKey], int | None]]:
         """``keys`` in windows, each with the staging half it uses: one window in the half the
