@@ -304,18 +304,9 @@ def test_a_load_from_memory_verifies_its_bytes_once_not_per_load(monkeypatch):
     """memory:// keeps the checksum a record's seal computed as the record was copied in (or
     hashes a value put otherwise for its first reader): later loads compare digests and hash
     nothing, yet a damaged record still fails."""
-    import kvstore.buffers as buffers
-    import kvstore.record.decode as decode
+    from kvstore.testing.hashes import count_hashes
 
-    hashed: list[int] = []
-    real = buffers.xxh3_digest
-
-    def counting(data):
-        hashed.append(memoryview(data).nbytes)
-        return real(data)
-
-    monkeypatch.setattr(buffers, "xxh3_digest", counting)
-    monkeypatch.setattr(decode, "xxh3_digest", counting)
+    hashed = count_hashes(monkeypatch)
     record = CHUNK * L * 2 * H * D * 2
     with open_store("memory://?max_bytes=64MiB") as store:
         src = _caches(17)

@@ -258,15 +258,22 @@ def test_a_load_with_host_slots_does_not_wait_for_a_busy_forward(thread):
     assert all(torch.equal(d[:, 32:64], s[:, :32]) for d, s in zip(dst, src))
 
 
+def _saved_prefix(seed: int) -> tuple[MemoryStore, list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """512 tokens of flash-layout KV saved into a fresh memory:// from blocks 0-31; an empty
+    cache of the same shape to load into (blocks 32-63)."""
+    store = MemoryStore()
+    src, dst = _caches("flash-2bnhd", seed), _caches("flash-2bnhd", seed + 1)
+    tokens = list(range(512))
+    _transfer("flash-2bnhd", src, store).save_sequence(
+        tokens, slots_from_block_table(list(range(32)), N, 512, device="cuda"))
+    return store, src, dst, tokens
+
+
 def test_device_slots_freed_by_their_maker_are_not_reused_while_the_scatter_reads_them():
     """Slots made on a stream the engine does not wait for, freed as soon as the load returns:
     the allocator must not hand their memory out before the (delayed) scatter has read them
     (``record_stream``), or KV lands in the wrong slots."""
-    store = MemoryStore()
-    src, dst = _caches("flash-2bnhd", 23), _caches("flash-2bnhd", 24)
-    tokens = list(range(512))
-    _transfer("flash-2bnhd", src, store).save_sequence(tokens, slots_from_block_table(list(range(32)), N, 512,
-                                                                                     device="cuda"))
+    store, src, dst, tokens = _saved_prefix(23)
     loader = _transfer("flash-2bnhd", dst, store)
     other = torch.cuda.Stream()
     for _ in range(3):
@@ -288,11 +295,7 @@ def test_device_slots_freed_by_their_maker_are_not_reused_while_the_scatter_read
 
 def test_a_load_in_windows_beside_a_busy_forward_lands_every_window():
     """Windows in the staging's two halves, DMAs on the copy stream, scatters behind the forward."""
-    store = MemoryStore()
-    src, dst = _caches("flash-2bnhd", 25), _caches("flash-2bnhd", 26)
-    tokens = list(range(512))
-    _transfer("flash-2bnhd", src, store).save_sequence(tokens, slots_from_block_table(list(range(32)), N, 512,
-                                                                                     device="cuda"))
+    store, src, dst, tokens = _saved_prefix(25)
     record = 64 * L * 2 * H * D * 2
     lay = FlashLayout()
     ns = Namespace(model="gpu", model_fingerprint="f", kv_dtype="bfloat16", layout=lay.name, block_size=N,
@@ -310,23 +313,10 @@ def test_a_load_in_windows_beside_a_busy_forward_lands_every_window():
 def test_a_load_from_memory_on_cuda_hashes_its_records_once_not_per_load(monkeypatch):
     """memory:// keeps the digest each record's seal computed at the put: loads on the GPU
     compare digests, they do not hash the 268 MB again (the floor the first trace found)."""
-    import kvstore.buffers as buffers
-    import kvstore.record.decode as decode
+    from kvstore.testing.hashes import count_hashes
 
-    hashed: list[int] = []
-    real = buffers.xxh3_digest
-
-    def counting(data):
-        hashed.append(memoryview(data).nbytes)
-        return real(data)
-
-    monkeypatch.setattr(buffers, "xxh3_digest", counting)
-    monkeypatch.setattr(decode, "xxh3_digest", counting)
-    store = MemoryStore()
-    src, dst = _caches("flash-2bnhd", 29), _caches("flash-2bnhd", 30)
-    tokens = list(range(512))
-    _transfer("flash-2bnhd", src, store).save_sequence(tokens, slots_from_block_table(list(range(32)), N, 512,
-                                                                                     device="cuda"))
+    hashed = count_hashes(monkeypatch)
+    store, src, dst, tokens = _saved_prefix(29)
     loader = _transfer("flash-2bnhd", dst, store)
     hashed.clear()
     for _ in range(3):
