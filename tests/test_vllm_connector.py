@@ -139,7 +139,7 @@ def _by_prompt(records: dict[str, bytes], prompt: list[int]) -> list[tuple[str, 
 def test_corrupt_records_miss_noise_records_change_tokens(model_dir, baseline, filled, redis_server, s3_server):
     """Damaged records are detected (a miss, recomputed: same tokens); validly encoded noise is
     loaded and used (different tokens): the loaded KV really feeds the model."""
-    from kvstore.keys import ChunkKey
+    from kvstore.keys import ChunkKey, HeadRange
     from kvstore.record import decode_record, encode_record
 
     records = _records(filled["urls"][1])
@@ -162,7 +162,8 @@ def test_corrupt_records_miss_noise_records_change_tokens(model_dir, baseline, f
         rec = decode_record(records[key])
         kv = torch.frombuffer(bytearray(rec.kv), dtype=torch.bfloat16)
         noise = (torch.from_numpy(rng.standard_normal(kv.numel()).astype(np.float32)) * kv.float().std()).to(torch.bfloat16)
-        chunk = ChunkKey(0, h.start, h.start + h.num_tokens, h.key, h.partial, key)
+        chunk = ChunkKey(0, h.start, h.start + h.num_tokens, h.key, h.partial, key,
+                         heads=HeadRange(*h.heads) if h.heads else None)  # the KV heads it holds, as its key names them
         target.put(key, encode_record(namespace=SimpleNamespace(digest=h.namespace, format_version=h.version), chunk=chunk, tokens=h.token_ids,
                                       dtype=h.dtype, shapes=h.shapes, kv=noise.view(torch.uint8).numpy().tobytes(),
                                       chain=h.codecs))

@@ -19,6 +19,7 @@ import vllm_model
 from oracles import gen
 from vllm_engines import run_engine
 
+from kvstore.keys import key_heads, split_key
 from kvstore.record import decode_record, read_header
 from kvstore.stores import open_store
 from kvstore.testing.damage import flip_byte
@@ -61,14 +62,15 @@ def _chunks_of(records: dict[str, bytes], prompt: list[int]) -> list[str]:
 
 
 def _sound(value: bytes | None, key: str) -> bool:
-    """Whether ``value`` is a valid record of ``key`` (checksum, and the key it names)."""
+    """Whether ``value`` is a valid record of ``key`` (checksum, and the prefix and heads it names)."""
     if value is None:
         return False
     try:
         record = decode_record(value)
     except ValueError:
         return False
-    return key.endswith(record.header.key.hex())
+    heads = key_heads(key)
+    return split_key(key)[2] == record.header.key.hex() and record.header.heads == (heads and heads.as_tuple())
 
 
 def _tokens_loaded(metrics: dict) -> float:
