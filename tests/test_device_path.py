@@ -295,9 +295,10 @@ def test_a_dropped_mapping_ends_its_registration_off_the_thread_that_dropped_it(
         assert loader.load_sequence(TOKEN_IDS, _slots(DST_BLOCKS))[0] == TOKENS
         store.delete(loader.keys(TOKEN_IDS)[0].key)  # the mapping leaves the cache: its last reference
         gc.collect()
-        returned = time.perf_counter()
+        # The unregistration ran on the unpin thread, not on the thread that dropped the mapping (a
+        # wall-clock comparison with the dropping thread's return is not this: a starved CI core
+        # can hold that thread past the pinner's 0.5 s).
         assert flush_unpins() and [name for name, _, _ in pinner.unpins] == ["kvstore-unpin"]
-        assert returned < pinner.unpins[0][2]  # the dropping thread did not wait for the unregistration
 
 
 def test_a_load_from_memory_verifies_its_bytes_once_not_per_load(monkeypatch):
