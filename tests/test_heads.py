@@ -235,6 +235,29 @@ def test_a_cache_of_other_heads_than_its_records_is_a_config_error():
 
 
 # -- lookups: which chunks every head is covered for -------------------------------------------------
+def test_exists_by_tier_asks_each_tier_once_and_none_after_those_holding_every_key(tmp_path):
+    from kvstore.stores.base import WrapperStore
+
+    class Counting(WrapperStore):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.asked: list[int] = []
+
+        def exists_many(self, keys):
+            self.asked.append(len(keys))
+            return super().exists_many(keys)
+
+    top, bottom = open_store("memory://"), Counting(open_store(f"file://{tmp_path}"))
+    store = TieredStore([top, bottom])
+    top.put("a", b"1")
+    bottom.put("b", b"2")
+    assert store.exists_by_tier(["a", "b", "c"]) == [[True, False, False], [False, True, False]]
+    assert bottom.asked == [3]  # one call for every key
+    assert store.exists_by_tier(["a"]) == [[True], [False]] and bottom.asked == [3]  # the top held all: not asked
+    assert top.exists_by_tier(["a", "c"]) == [[True, False]]  # a single store is one tier
+
+
+
 def test_covered_by_tier_counts_chunks_every_head_has_in_some_range(tmp_path):
     top, bottom = open_store("memory://"), open_store(f"file://{tmp_path}")
     store = TieredStore([top, bottom])
