@@ -175,14 +175,62 @@ def run_engine(spec: dict, *, multiprocess: bool = False, timeout: float = 240,
 
 
 # -- servers: vLLM's OpenAI server and other HTTP servers, each in its own process group ----------
+class ForkedServer:
+    """vLLM's OpenAI server forked by the engine server (``vllm_worker.serve``: vLLM imported once,
+    not once per server), with the part of ``subprocess.Popen``'s interface the tests use: ``pid``,
+    ``returncode``, ``poll``, ``wait``, ``send_signal``."""
+
+    def __init__(self, args: list[str], *, env: dict[str, str], log: Path, cwd: Path, cpus: list[int] | None) -> None:
+        self.returncode: int | None = None
+        self._ended = threading.Event()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(_Server.get().path)
+        request = {"openai": args, "env": env, "log": str(log), "cwd": str(cwd), "cpus": cpus}
+        self._sock.sendall((json.dumps(request) + "\n").encode())
+        self._file = self._sock.makefile("r", encoding="utf-8", errors="replace")
+        first = self._file.readline()
+        if not first.startswith("PID "):
+            raise RuntimeError(f"the vLLM engine server answered {first!r}")
+        self.pid = int(first.split()[1])
+        threading.Thread(target=self._watch, name=f"exit-of-{self.pid}", daemon=True).start()
+
+    def _watch(self) -> None:
+        line = self._file.readline()
+        self.returncode = int(line.split()[1]) if line.startswith("EXIT ") else -1
+        self._ended.set()
+        self._file.close()
+        self._sock.close()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._ended.wait(timeout):
+            raise subprocess.TimeoutExpired(f"forked server {self.pid}", timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+
 class ServerProcess:
     """An HTTP server on 127.0.0.1:``port`` in its own process group (its children too), its output
-    in ``log``; ready once ``GET /health`` answers 200."""
+    in ``log``; ready once ``GET /health`` answers 200. ``forked``: vLLM's OpenAI server arguments,
+    forked by the engine server instead of started as ``argv`` (``KVSTORE_TEST_ENGINE_SERVER=0``:
+    as ``argv``)."""
 
-    def __init__(self, name: str, argv: list[str], port: int, workdir: Path, env: dict[str, str]) -> None:
+    def __init__(self, name: str, argv: list[str], port: int, workdir: Path, env: dict[str, str], *,
+                 forked: list[str] | None = None, cpus: list[int] | None = None) -> None:
         self.name, self.port = name, port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(workdir) / f"{name}.log"
+        self.log_path.write_text("")
+        self.proc: subprocess.Popen | ForkedServer
+        if forked is not None and os.environ.get("KVSTORE_TEST_ENGINE_SERVER", "1") != "0":
+            self.proc = ForkedServer(forked, env=env, log=self.log_path, cwd=Path(workdir), cpus=cpus)
+            return
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(argv, cwd=str(workdir), env=env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
@@ -250,19 +298,21 @@ class OpenAIServer(ServerProcess):
                  taskset: bool = False, kv_cache_gib: int = 1, extra: tuple[str, ...] = (),
                  connector_module: str | None = None, env: dict | None = None) -> None:
         port = free_port()
-        argv = [sys.executable, str(WORKER), "--openai", "--model", model,
-                "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", dtype, "--max-model-len", "4096",
-                "--enforce-eager", "--block-size", str(block_size), "--seed", "0", "--host", "127.0.0.1",
-                "--port", str(port), "--enable-prompt-tokens-details", *extra]
+        args = ["--model", model, "--served-model-name", "m", "--skip-tokenizer-init", "--dtype", dtype,
+                "--max-model-len", "4096", "--enforce-eager", "--block-size", str(block_size), "--seed", "0",
+                "--host", "127.0.0.1", "--port", str(port), "--enable-prompt-tokens-details", *extra]
         if conn is not None:
             config = {"kv_connector": "KVStoreConnector", "kv_role": role, "kv_connector_extra_config": conn}
             if connector_module:
                 config["kv_connector_module_path"] = connector_module
-            argv += ["--kv-transfer-config", json.dumps(config)]
+            args += ["--kv-transfer-config", json.dumps(config)]
+        argv = [sys.executable, str(WORKER), "--openai", *args]
         env = engine_env(env, multiprocess=True)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+        cpus = None
         if cores is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = cores.replace(",", "-")
             if taskset:
                 argv = ["taskset", "-c", cores.replace("|", ","), *argv]
-        super().__init__(name, argv, port, workdir, env)
+                cpus = sorted({int(c) for c in cores.replace("|", ",").replace("-", ",").split(",")})
+        super().__init__(name, argv, port, workdir, env, forked=args, cpus=cpus)
