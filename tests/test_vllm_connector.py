@@ -87,12 +87,13 @@ def open_tier(url: str):
 
 @pytest.fixture(scope="module")
 def filled(model_dir, redis_server, s3_server) -> dict:
-    """Engine A, a kv_producer in vLLM's default multi-process mode, fills memory+Redis+S3 with
-    prompts A, B and C; at exit the connector flushes the background writes."""
+    """Engine A, a kv_producer, fills memory+Redis+S3 with prompts A, B and C; at exit the
+    connector flushes the background writes. (In-process: a multi-process engine's exit, its
+    engine core spawned, is test_vllm_exit's; here it would cost another import of vLLM.)"""
     urls = store_urls(redis_server, s3_server, "filled")
     conn = {"store": urls, "chunk_tokens": 64}
     out = run_engine({"model": model_dir, "connector": conn, "role": "kv_producer",
-                      "actions": [gen([P_A]), gen([P_B]), gen([P_C])]}, multiprocess=True)
+                      "actions": [gen([P_A]), gen([P_B]), gen([P_C])]})
     return {"urls": urls, "connector": conn, "out": out}
 
 

@@ -1,9 +1,8 @@
 """Nothing queued is lost at exit (issue 22): with tiers memory + Redis + S3 and background
 saves, every record reaches every shared tier when
 - an offline engine exits as soon as ``generate()`` returns (in vLLM's multi-process mode, its
-  engine core spawned: each run costs that process's import of vLLM, about 20 s here. The race
-  this guards against lost one record in some runs only: one run here, and another multi-process
-  exit in test_vllm_connector's ``filled``, whose three prompts must reach Redis and S3 too);
+  engine core spawned: a run costs that process's import of vLLM, 10-20 s here, so the race this
+  guards against, which lost one record in some runs only, is run for once);
 - an OpenAI server gets SIGTERM as soon as its responses return;
 - ``kvstore warm --engine vllm`` exits after its last prompt.
 The last two write S3 over a slow link, so records are still on their way at the exit."""
@@ -107,12 +106,15 @@ def test_an_openai_server_stopped_with_sigterm_right_after_its_responses_leaves_
 def test_vllm_warm_exiting_after_its_last_prompt_leaves_every_record_in_every_tier(
         model_dir, redis_server, s3_server, tmp_path):
     """``kvstore warm`` waits for the connector's background saves (``wait_saved``), then for the
-    stores' writers, before it exits: with S3 behind a slow link, every record still lands."""
+    stores' writers, before it exits: with S3 behind a slow link, every record still lands. A
+    fresh vLLM engine with the connector then hits every whole block of every warmed prompt, and
+    warming the same prompts again skips them all."""
     urls = store_urls(redis_server, s3_server, "exit-warm")
     proxy, slow = _slow_s3(urls, s3_server)
     engine_args = {k: v for k, v in vllm_model.engine_kwargs(model_dir).items() if k != "model"}
-    argv = warm_argv(SERVER_PROMPTS, tmp_path, slow, "--engine", "vllm", "--model", model_dir, "--chunk-tokens",
-                     "256", "--kv-config", json.dumps({"save_mode": "async"}), "--engine-args", json.dumps(engine_args))
+    engine = ["--engine", "vllm", "--model", model_dir, "--chunk-tokens", "256", "--kv-config",
+              json.dumps({"save_mode": "async"}), "--engine-args", json.dumps(engine_args)]
+    argv = warm_argv(SERVER_PROMPTS, tmp_path, slow, *engine)
     try:
         proc = subprocess.run(argv, env=engine_env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=600)
     finally:
@@ -122,3 +124,10 @@ def test_vllm_warm_exiting_after_its_last_prompt_leaves_every_record_in_every_ti
     redis_keys, s3_keys = _keys(urls[1]), _keys(urls[2])
     assert (len(redis_keys), len(s3_keys)) == (SERVER_RECORDS, SERVER_RECORDS), proc.stderr[-3000:]
     assert redis_keys == s3_keys
+    fresh = run_engine({"model": model_dir, "connector": {"store": urls, "chunk_tokens": 256},
+                        "actions": [gen([p], max_tokens=2) for p in SERVER_PROMPTS]})
+    block = vllm_model.BLOCK_SIZE
+    assert [r["cached"][0] for r in fresh["results"]] == [(len(p) - 1) // block * block for p in SERVER_PROMPTS]
+    again = subprocess.run(warm_argv(SERVER_PROMPTS, tmp_path, urls, *engine), env=engine_env(), cwd=str(tmp_path),
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and json.loads(again.stdout)["skipped"] == len(SERVER_PROMPTS), again.stderr[-3000:]

@@ -220,69 +220,8 @@ def test_plugin_registers_once_and_never_raises(monkeypatch):
     plugin.register()
 
 
-# -- a real vLLM OpenAI server --------------------------------------------------------------------
-@pytest.mark.vllm
-def test_openai_server_metrics_show_kvstore_after_a_hit(tmp_path):
-    """One scrape of the vLLM server's /metrics shows kvstore's counters (vllm:kvstore_*), and
-    they moved by what the hit did: 256 tokens loaded, a load latency observation, record bytes
-    written. (A file store: the server's scheduler and worker are separate processes, each with
-    its own memory tier.)"""
-    import json
-    import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root / "tests"))
-    import vllm_model
-    from servers import wait_until
-    from vllm_engines import OpenAIServer, scrape, total
-
-    model = vllm_model.write_model(tmp_path / "model")
-    server = OpenAIServer(str(model), tmp_path, conn={"store": [f"file://{tmp_path / 'kv'}"], "chunk_tokens": 64},
-                          extra=("--no-enable-prefix-caching",))
-    base = server.url
-
-    def complete(prompt: list[int]) -> dict:
-        body = json.dumps({"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0}).encode()
-        req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())
-
-    try:
-        wait_until(server.ready, 240, "vLLM OpenAI server")
-        before = scrape(base + "/metrics")
-        assert total(before, "vllm:kvstore_tokens_loaded_total") == 0  # registered, nothing loaded yet
-        prefix = vllm_model.prompt(31, 256)
-        complete(prefix + vllm_model.prompt(32, 44))
-        second = complete(prefix + vllm_model.prompt(33, 60))
-        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 256
-        deadline = time.monotonic() + 20  # the last step's stats reach the API server with its outputs
-        while True:
-            after = scrape(base + "/metrics")
-            if total(after, "vllm:kvstore_tokens_loaded_total") >= 256 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-    finally:
-        server.proc.send_signal(signal.SIGINT)
-        try:
-            server.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-    assert total(after, "vllm:kvstore_tokens_loaded_total", engine="0") == 256
-    assert total(after, "vllm:kvstore_lookup_hit_tokens_total") >= 256
-    assert total(after, "vllm:kvstore_lookups_total") >= 2
-    assert total(after, "vllm:kvstore_tokens_saved_total") > 0
-    assert total(after, "vllm:kvstore_bytes_written_total", tier="file") > 0
-    assert total(after, "vllm:kvstore_op_seconds_count", op="load") >= 1
-    assert total(after, "vllm:kvstore_op_seconds_bucket", op="load", le="+Inf") >= 1
-    assert any('model_name="' in k for k in after if k.startswith("vllm:kvstore_tokens_loaded_total"))
-    # vLLM's own view of the same hit, in the same scrape.
-    assert total(after, "vllm:external_prefix_cache_hits_total") >= 256 or \
-        total(after, "vllm:prompt_tokens_cached_total") >= 256
+# A real vLLM OpenAI server's /metrics with kvstore's counters after P/D loads:
+# test_disagg_vllm.py's eight-prompt test (its servers start once for that module).
 
 
 def test_a_registry_gone_takes_its_baseline_with_it():

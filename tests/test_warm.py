@@ -341,31 +341,5 @@ def test_server_engine_retries_then_reports_an_unreachable_server(openai_server)
         engine.prefill(_prompts(1)[0])
 
 
-# -- vLLM ----------------------------------------------------------------------------------------------------
-@pytest.mark.vllm
-def test_vllm_warm_then_a_fresh_vllm_engine_hits_every_prompt(tmp_path):
-    """`kvstore warm --engine vllm` in one process; a new vLLM engine with the connector hits every prompt."""
-    pytest.importorskip("vllm")
-    import vllm_model
-
-    model = vllm_model.write_model(tmp_path / "model")
-    store = f"file://{tmp_path}/kv"
-    prompts = [vllm_model.prompt(i, 90 + 41 * i) for i in range(3)]
-    path = _write_jsonl(tmp_path / "p.jsonl", prompts)
-    engine_args = {k: v for k, v in vllm_model.engine_kwargs(model).items() if k != "model"}
-    argv = _console() + ["warm", str(path), "--engine", "vllm", "--model", str(model), "--store", store,
-                         "--chunk-tokens", "64", "--engine-args", json.dumps(engine_args), "--json"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout)
-    assert summary["warmed"] == 3 and summary["bytes_written"] > 0
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert json.loads(again.stdout)["skipped"] == 3
-
-    spec = {"model": str(model), "connector": {"store": [store], "chunk_tokens": 64},
-            "actions": [{"generate": prompts, "max_tokens": 2}]}
-    from vllm_engines import run_engine
-
-    result = run_engine(spec, timeout=600)
-    block = vllm_model.BLOCK_SIZE
-    assert result["results"][0]["cached"] == [(len(p) - 1) // block * block for p in prompts]
+# -- vLLM: `kvstore warm --engine vllm`, then a fresh vLLM engine that hits every warmed prompt, and a
+# second warm that skips them all, is test_vllm_exit.py's warm test (one vLLM import fewer).
