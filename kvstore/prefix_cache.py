@@ -92,7 +92,7 @@ from kvstore.types import Buffer
 if TYPE_CHECKING:
     from kvstore.events import EventSink
 
-__all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "Staging", "stored_by_tier", "covered_by_tier", "Covered",
+__all__ = ["PrefixCache", "ChunkPayload", "LoadResult", "Staging", "stored_by_tier", "covered_by_tier", "count_lookup_tokens", "Covered",
            "Source"]
 
 log = logging.getLogger(__name__)
@@ -207,11 +207,16 @@ def stored_by_tier(store: Store, shards: Sequence[Sequence[ChunkKey]], *, counte
     if not counted:
         return held
     metrics.LATENCY.observe(time.perf_counter() - start, op="lookup")
-    if first:
-        found = max(held, default=0)
-        metrics.LOOKUP_TOKENS.inc(first[-1].end)
-        metrics.LOOKUP_HIT_TOKENS.inc(first[found - 1].end if found else 0)
+    count_lookup_tokens(first, max(held, default=0))
     return held
+
+
+def count_lookup_tokens(keys: Sequence[ChunkKey], found: int) -> None:
+    """The tokens of a lookup in the metrics: those of the prompt chunked as ``keys``, and those of
+    its first ``found`` chunks, which it found stored (the lookup itself is counted where it starts)."""
+    if keys:
+        metrics.LOOKUP_TOKENS.inc(keys[-1].end)
+        metrics.LOOKUP_HIT_TOKENS.inc(keys[found - 1].end if found else 0)
 
 
 #: One way a lookup may find a group's records: the units they cover (the KV heads of a head range;
@@ -267,10 +272,7 @@ def covered_by_tier(store: Store, groups: Sequence[Sequence[Source]], *, more: S
     if counted:
         metrics.LATENCY.observe(time.perf_counter() - start, op="lookup")
         first = next((keys for g in groups for _, keys in g if keys), ())
-        if first:
-            found = min(max(result.per_tier, default=0), len(first))
-            metrics.LOOKUP_TOKENS.inc(first[-1].end)
-            metrics.LOOKUP_HIT_TOKENS.inc(first[found - 1].end if found else 0)
+        count_lookup_tokens(first, min(max(result.per_tier, default=0), len(first)))
     return result
 
 

@@ -4,10 +4,11 @@
 and the last one kills the prefill server.
 
 * 8 prompts of 1,000 to 1,980 tokens through the proxy, 4 non-streaming and 4 streaming, at once:
-  the tokens equal vLLM's without the connector; every decode response's ``cached_tokens`` is the
-  prompt minus at most one block; the decode engine loaded that much (its P/D metrics) and the
-  prefill engine saw every promise's records reach Redis; its steps spent less time on saves than
-  the saves themselves took (the gathers and writes ran in the background).
+  the tokens continue vLLM's without the connector; every decode response's ``cached_tokens`` is
+  the prompt minus at most one block; the decode engine loaded that much (its P/D metrics, and
+  kvstore's own counters in vLLM's /metrics beside vLLM's view of the same hits) and the prefill
+  engine saw every promise's records reach Redis; its steps spent less time on saves than the
+  saves themselves took (the gathers and writes ran in the background).
 * The prefill server's HTTP endpoint (``http_port``) answers router lookups for those prompts.
 * A record corrupted between prefill and decode: the load fails, counted; identical tokens.
 * Redis frozen (SIGSTOP) between the prefill response and the decode request: the decode request
@@ -155,15 +156,27 @@ def test_eight_prompts_through_the_proxy_are_loaded_not_recomputed_and_identical
         assert len(PROMPTS[i]) - BS <= cached < len(PROMPTS[i]), (i, cached)
     assert proxy.proxy.stats.prefilled == 8 and proxy.proxy.stats.fallbacks == 0
     want_loaded = sum((len(p) - 1) // BS * BS for p in PROMPTS)
-    d = pd["decode"].metrics()
+    d = settled_metrics(pd["decode"], "vllm:kvstore_tokens_loaded_total", want_loaded)
     assert total(d, "vllm:kvstore_pd_loaded_tokens_count") == 8
     assert total(d, "vllm:kvstore_pd_loaded_tokens_sum") == want_loaded  # the decode engine computed only tails
     assert total(d, "vllm:kvstore_pd_load_failures_total") == 0
     assert total(d, "vllm:kvstore_pd_wait_seconds_count") == 8
+    # One scrape of vLLM's /metrics shows kvstore's own counters too (vllm:kvstore_*, republished
+    # from the engine's connector stats), moved by what the loads did, with vLLM's own view of them.
+    assert total(d, "vllm:kvstore_tokens_loaded_total", engine="0") == want_loaded
+    assert total(d, "vllm:kvstore_lookup_hit_tokens_total") >= want_loaded
+    assert total(d, "vllm:kvstore_lookups_total") >= 8
+    assert total(d, "vllm:kvstore_op_seconds_count", op="load") >= 1
+    assert total(d, "vllm:kvstore_op_seconds_bucket", op="load", le="+Inf") >= 1
+    assert any('model_name="' in k for k in d if k.startswith("vllm:kvstore_tokens_loaded_total"))
+    assert total(d, "vllm:external_prefix_cache_hits_total") >= want_loaded or \
+        total(d, "vllm:prompt_tokens_cached_total") >= want_loaded
     p = settled_metrics(pd["prefill"], "vllm:kvstore_pd_prefill_to_visible_seconds_count", 8)
     assert total(p, "vllm:kvstore_pd_promises_total", result="promised") == 8
     assert total(p, "vllm:kvstore_pd_prefill_to_visible_seconds_count") == 8
     assert total(p, "vllm:kvstore_pd_promises_total", result="late") == 0
+    assert total(p, "vllm:kvstore_tokens_saved_total") > 0
+    assert total(p, "vllm:kvstore_bytes_written_total", tier="redis") > 0
     # The prefill engine's steps did not wait on Redis: what they spent handing saves over is less
     # than what the saves (gather, encode, write) took in the background.
     held = total(p, "vllm:kvstore_op_seconds_sum", op="step_save")

@@ -95,13 +95,14 @@ from kvstore.metrics.catalog import (
     DECODE_CHUNKS,
     LOOKUP_FAILURES,
     LOOKUP_MISSES,
+    LOOKUPS,
     PD_LOAD_FAILURES,
     PD_LOADED_TOKENS,
     PD_PROMISES,
     PD_WAIT,
 )
 from kvstore.metrics.server import MetricsServer, start_on_free_port
-from kvstore.prefix_cache import PrefixCache, Source, covered_by_tier
+from kvstore.prefix_cache import PrefixCache, Source, count_lookup_tokens, covered_by_tier
 from kvstore.record import DTYPES
 from kvstore.stores import Store
 from kvstore.stores.speed import LinkSpeed
@@ -622,6 +623,9 @@ class SchedulerSide:
             return answer.load
 
         wait_for(probe, promise.tokens, deadline, clock=self._clock)
+        # The polls are not lookups; the request's one lookup is what the last of them found.
+        LOOKUPS.inc()
+        count_lookup_tokens(first, sum(1 for k in first if k.end <= answer.load))
         return answer, self._clock() - start
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks | None,
