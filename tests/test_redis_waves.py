@@ -100,3 +100,20 @@ def test_the_budget_keeps_two_values_ahead_and_one_per_connection_up_to_the_limi
     assert waves.frontier() == 1  # the ramp still starts at one value per connection
     waves.received(3 * MiB)
     assert waves.frontier() == 1 + 2
+
+
+def test_one_servers_waves_count_its_own_values_and_answer_in_batch_indices():
+    """A batch over two servers: each keeps its own values requested ahead, however the batch
+    orders them (one frontier over the batch left a server idle while the values next in line
+    were the other's)."""
+    mine = [0, 1, 2, 3, 7, 9]  # this server's values of a batch of 10 (the other holds 4, 5, 6, 8)
+    waves = Waves(10, budget=8 * MiB, size_hint=32 * MiB, connections=1, limit=64 * MiB, indices=mine)
+    assert waves.frontier() == 1  # value 0 only: a ramp of one per connection
+    waves.received(32 * MiB)
+    assert waves.frontier() == 3  # values 1 and 2: two ahead, whatever the other server does
+    waves.received(32 * MiB)
+    waves.received(32 * MiB)
+    assert waves.frontier() == 9  # values 3 and 7: the other server's 4 to 6 wait for nobody here
+    waves.received(32 * MiB)
+    assert waves.frontier(waiting_for=9) == 10  # the last: past every value it governs
+    assert Waves(10, budget=None, indices=[4, 5]).frontier() == 6

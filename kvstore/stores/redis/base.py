@@ -14,8 +14,8 @@ wider one by a thread per connection, with the GIL released in the socket calls.
 ``get_into`` yields value i while values after it are still arriving (the kernel receives
 them meanwhile on one connection), and a wider ``put_many`` sends value i while its caller
 produces value i+1. GETs go out in waves under one
-budget per batch (about 8 MiB of replies requested ahead, at least two values and one per
-connection, at most 64 MiB, whatever the number of connections: ``waves.py``), so the server
+budget per server of a batch (about 8 MiB of replies requested ahead, at least two values and one
+per connection, at most 64 MiB, whatever the number of connections: ``waves.py``), so a server
 never builds a whole batch of large replies before sending the first, and builds the next ones
 while they still fit its CPU's cache. On one server, batches of EXISTS and DEL (lookups,
 discards) go over a direct socket too, as one packed buffer whose integer replies are read in
@@ -295,8 +295,8 @@ class RedisStoreBase(Store):
     def get_into(self, keys: Sequence[str], pool: BufferPool, place: Place | None = None) -> LeaseStream:
         """Values received straight into leases of ``pool`` over up to ``connections`` connections
         per server, as many as pay for themselves (``adapt_reads``, ``spread.py``; on a cluster:
-        to every node of the batch at once), under one ``Waves`` budget of about
-        ``_IN_FLIGHT_BYTES`` requested ahead per server (``_IN_FLIGHT_LIMIT`` at most); value i
+        to every node of the batch at once), under a ``Waves`` budget per server of about
+        ``_IN_FLIGHT_BYTES`` requested ahead (``_IN_FLIGHT_LIMIT`` at most); value i
         is yielded while later ones are still arriving. A cluster whose slots moved under a batch
         finishes it through the client's pipeline, which follows the redirections. The direct readers land values where
         ``place`` says (the store contract), the pipeline's in their leases."""
@@ -316,16 +316,19 @@ class RedisStoreBase(Store):
         by a reader thread per connection."""
         commands = [hooks.pack_command("GET", self._key(k)) for k in keys]
         per_server = self._read_spread.width(max(1, self._spread // len(routes)))
-        readers = [(direct, share[r::n]) for direct, share in routes
-                   for n in [max(1, min(per_server, len(share)))] for r in range(n)]
-        # One budget per server: each builds only its own replies (a cluster's keys spread over
-        # its nodes evenly, by hash slot), so the silence a socket can see stays that of one.
-        waves = Waves(len(keys), _IN_FLIGHT_BYTES * len(routes), self._reply_size, len(readers),
-                      limit=_IN_FLIGHT_LIMIT * len(routes))
+        # One budget per server, over its own keys: each builds only its own replies, so the
+        # silence a socket can see stays that of one, and each keeps its next value in flight
+        # whatever the order of the batch's keys across servers (waves.py).
+        readers: list[tuple[Any, list[int], Waves]] = []
+        for direct, share in routes:
+            n = max(1, min(per_server, len(share)))
+            waves = Waves(len(keys), _IN_FLIGHT_BYTES, self._reply_size, n, limit=_IN_FLIGHT_LIMIT, indices=share)
+            readers += [(direct, share[r::n], waves) for r in range(n)]
+        every = list({id(w): w for _, _, w in readers}.values())
         if len(readers) == 1:
-            values = read_here(*readers[0], commands, pool, waves, self.config.retries, place)
+            values = read_here(*readers[0], commands, pool, self.config.retries, place)
         else:
-            values = self._read_by_threads(readers, commands, pool, waves, place)
+            values = self._read_by_threads(readers, commands, pool, every, place)
         done = nbytes = 0
         start = time.perf_counter()
         try:
@@ -342,11 +345,12 @@ class RedisStoreBase(Store):
                 raise
         finally:
             values.close()
-            self._reply_size = waves.size  # a store's records are mostly of one size
+            self._reply_size = max(w.size for w in every)  # a store's records are mostly of one size
         return len(keys)
 
-    def _read_by_threads(self, readers: list[tuple[Any, list[int]]], commands: list[list[Any]], pool: BufferPool,
-                         waves: Waves, place: Place | None) -> Generator[Lease | None, None, None]:
+    def _read_by_threads(self, readers: list[tuple[Any, list[int], Waves]], commands: list[list[Any]],
+                         pool: BufferPool, every: list[Waves],
+                         place: Place | None) -> Generator[Lease | None, None, None]:
         """A ``get_into`` batch read by one thread per ``(pool, share)`` reader: the values in
         order, each as soon as it has arrived; a reader's error is raised at the first value it
         did not deliver."""
@@ -354,8 +358,8 @@ class RedisStoreBase(Store):
         futures: list[Future[None]] = []
         try:
             threads = self._threads()
-            for direct, share in readers:
-                futures.append(threads.submit(read_into, direct, commands, share, slots, pool, waves,
+            for direct, share, waves in readers:
+                futures.append(threads.submit(read_into, direct, commands, share, slots, pool, every, waves,
                                               self.config.retries, place))
             for slot in slots:
                 slot.done.wait()
@@ -364,7 +368,8 @@ class RedisStoreBase(Store):
                 lease, slot.lease = slot.lease, None
                 yield lease
         finally:
-            waves.cancel()
+            for waves in every:
+                waves.cancel()
             for fut in futures:
                 fut.exception()  # wait: a reader must stop before its slots are released
             for slot in slots:

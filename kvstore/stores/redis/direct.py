@@ -4,7 +4,7 @@ Large values go out without being copied (a record's header and payload are sent
 pieces) and GET replies are received straight into buffers of their final size: leased pool
 buffers for ``get_into`` (``hooks``: the parts of redis-py this relies on). ``exchange`` sends a
 share of a batch's packed commands on one connection and reads their replies, in waves under
-one budget when ``Waves`` says so; ``read_into`` is one reader thread of a ``get_into`` batch
+their server's budget when ``Waves`` says so; ``read_into`` is one reader thread of a ``get_into`` batch
 and ``run_sender`` one sender thread of a streamed ``put_many``. A command is retried on a
 fresh connection after a connection error only (a stale pooled socket), never after a timeout.
 """
@@ -76,7 +76,7 @@ def exchange(pool: Any, commands: Sequence[list[Any]], on_reply: Callable[[hooks
 
     Without ``waves`` every command goes out at once. With it (GETs of values of any size),
     command i goes out once ``waves`` lets value i be requested: several connections, each
-    with its own share, can run one batch under one budget (``waves.py`` says why).
+    with its own share, can run one server's part of a batch under one budget (``waves.py`` says why).
 
     A connection error before the first reply retries on a fresh connection (a pooled socket
     may be stale after a server restart), resending what the failed one was asked; a timeout
@@ -150,7 +150,7 @@ def receive_value(reader: hooks.DirectReplies, i: int, pool: BufferPool, place: 
     return leased[0]
 
 
-def read_here(direct: Any, share: Sequence[int], commands: list[list[Any]], pool: BufferPool, waves: Waves,
+def read_here(direct: Any, share: Sequence[int], waves: Waves, commands: list[list[Any]], pool: BufferPool,
               retries: int, place: Place | None = None) -> Generator[Lease | None, None, None]:
     """A ``get_into`` batch on one connection, read on the caller's thread: yields each value
     of ``share`` in order (``receive_value``), receiving it when the caller asks for the next
@@ -175,10 +175,11 @@ def read_here(direct: Any, share: Sequence[int], commands: list[list[Any]], pool
 
 
 def read_into(direct: Any, commands: list[list[Any]], share: Sequence[int], slots: list[Slot], pool: BufferPool,
-              waves: Waves, retries: int, place: Place | None = None) -> None:
-    """One connection's share of a ``get_into`` batch read by a thread of its own, each value
-    (``receive_value``) handed to its slot. A failure ends the whole batch: every slot not yet
-    filled gets the error (the consumer raises it at the first such value)."""
+              every: Sequence[Waves], waves: Waves, retries: int, place: Place | None = None) -> None:
+    """One connection's share of a ``get_into`` batch read by a thread of its own under
+    ``waves`` (its server's, one of the batch's ``every``), each value (``receive_value``)
+    handed to its slot. A failure ends the whole batch: every server's waves are cancelled and
+    every slot not yet filled gets the error (the consumer raises it at the first such value)."""
     def on_reply(reader: hooks.DirectReplies, i: int) -> int:
         slot = slots[i]
         slot.lease = receive_value(reader, i, pool, place)
@@ -190,7 +191,8 @@ def read_into(direct: Any, commands: list[list[Any]], share: Sequence[int], slot
     except Cancelled:
         pass  # abandoned by the consumer, or another reader failed and filled the slots
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer through the slots
-        waves.cancel()
+        for each in every:
+            each.cancel()
         for slot in slots:
             if not slot.done.is_set():
                 slot.error = exc

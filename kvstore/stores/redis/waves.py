@@ -6,8 +6,12 @@ but not yet received are bytes the server copies before a socket hears anything.
 connections each asking for a 32 MiB value at once, the last socket waits for 128 MiB of
 copying, which is a long silence on a busy server and a read deadline missed. A window per
 connection would multiply that silence by the number of connections. ``Waves`` bounds the batch
-instead (a cluster's batch gets one budget per node it reads: each node builds only its own
-replies).
+instead, one per server: a batch over several servers (shards, a cluster's nodes) keeps one
+``Waves`` for each server's keys (``indices``), since each builds only its own replies and each
+needs its own next value in flight. One frontier over the whole batch left a server idle whenever
+the values next in line were another server's, and kept one value in flight per server where the
+raw client keeps two on each: 0.70-0.85x of its loads at 2 servers, 0.82-0.92x with a budget per
+server (benchmarks/results/redis_servers.md).
 
 The bound has two parts. ``budget`` is what the server can build while its replies stay in its
 CPU's cache: replies built further ahead are evicted before the socket sends them and read back
@@ -29,6 +33,7 @@ whole budget's, and their verification and copying overlap the transfer of the r
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 
 class Cancelled(Exception):
@@ -43,7 +48,8 @@ def requested_ahead(size: int, budget: int, limit: int, connections: int = 1) ->
 
 
 class Waves:
-    """The frontier of a batch of ``n`` GETs: the values below it may be requested.
+    """The frontier of a batch of ``n`` GETs (or of those of its ``indices`` one server holds):
+    the values below it may be requested.
 
     ``budget`` and ``limit`` are in bytes of replies requested and not yet received
     (``requested_ahead``; ``limit`` defaults to ``budget``; a ``budget`` of ``None``: every value
@@ -53,8 +59,13 @@ class Waves:
     """
 
     def __init__(self, n: int, budget: int | None, size_hint: int = 0, connections: int = 1,
-                 limit: int | None = None) -> None:
-        self._n, self._budget, self._connections = n, budget, max(1, connections)
+                 limit: int | None = None, indices: Sequence[int] | None = None) -> None:
+        # ``indices``: the values of a batch of ``n`` that this one governs (one server's, in
+        # order); frontiers are in batch indices, progress is counted in positions among them.
+        self._indices = list(range(n)) if indices is None else list(indices)
+        self._position = {j: p for p, j in enumerate(self._indices)}
+        self._end = self._indices[-1] + 1 if self._indices else 0
+        self._n, self._budget, self._connections = len(self._indices), budget, max(1, connections)
         self._limit = limit if limit is not None else (budget or 0)
         self._cond = threading.Condition()
         self._received = 0
@@ -77,13 +88,14 @@ class Waves:
         return min(self._n, self._received + ahead)
 
     def frontier(self, waiting_for: int | None = None) -> int:
+        position = None if waiting_for is None else self._position[waiting_for]
         with self._cond:
             while True:
                 if self._cancelled:
                     raise Cancelled
                 limit = self._frontier()
-                if waiting_for is None or waiting_for < limit:
-                    return limit
+                if position is None or position < limit:
+                    return self._indices[limit] if limit < self._n else self._end
                 self._cond.wait()
 
     def received(self, size: int) -> None:
