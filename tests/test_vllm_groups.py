@@ -201,6 +201,31 @@ def test_a_model_whose_state_vllm_does_not_keep_at_block_boundaries_bypasses_eve
     assert not list(store.iter_keys())
 
 
+def test_mla_on_vllm_cpus_reference_backend_bypasses_every_request():
+    """vLLM CPU without AMX tiles runs MLA on its reference backend, which cannot compute a prompt
+    over cached latents, and turns prefix caching off for it: the engine starts, computes every
+    prompt, counts it; with prefix caching on (the AMX MLA backend) latents are stored."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    cfg, kv = fake_vllm_config()
+    kv.kv_cache_groups = [SimpleNamespace(kv_cache_spec=MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
+                                                                         dtype=torch.bfloat16), layer_names=LAYERS)]
+    opts = parse_options({"store": "memory://", "chunk_tokens": 64})
+    cfg.cache_config.enable_prefix_caching = True
+    assert engine_facts(cfg, kv, opts).restorable
+    cfg.cache_config.enable_prefix_caching = False
+    f = engine_facts(cfg, kv, opts)
+    assert f.bypass == "mla_backend" and not f.restorable and f.stored_groups == ()
+    store = MemoryStore()
+    sched, work = connectors(store, replace(f, block_size=16))
+    before = BYPASSED.value(reason="mla_backend")
+    req = fake_request("m", list(range(300)))
+    assert ask(sched, req, 0) == (0, False) and ask(sched, req, 0) == (0, False)
+    assert BYPASSED.value(reason="mla_backend") == before + 1
+    meta = step(sched, req, (list(range(1, 20)),), computed=0, scheduled=300, new=True)
+    assert not meta.saves and not meta.loads and not list(store.iter_keys())
+
+
 def test_sync_loads_are_refused_with_several_groups():
     with pytest.raises(ConfigError, match=r"load_mode='sync'.*async"):
         make_connector("worker", MemoryStore(), hybrid(), load_mode="sync")

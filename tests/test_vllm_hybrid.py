@@ -218,33 +218,38 @@ def _host_has_amx() -> bool:
 def test_mla_latents_load_with_identical_tokens(tmp_path_factory):
     """DeepSeek-V2's MLA (576 latent dims): a fresh reader loads the whole stored prefix.
 
-    The host decides vLLM's MLA backend (tests/vllm_families.py), and with it the oracle. With AMX
-    tiles: bfloat16, block size 32 and vLLM's own prefix cache, so the reader's tokens equal vLLM's
-    after its own hit of the same length (``tests/oracles.py``, rule 1). Without: vLLM's reference
-    backend (block size 16) keeps no prefix cache, so no run of vLLM alone computes what the reader
-    does; float32, and the reader's tokens continue the cold run's up to a near tie (rule 2)."""
+    The host decides vLLM's MLA backend (tests/vllm_families.py), and with it what the connector
+    does. With AMX tiles: block size 32 and vLLM's own prefix cache, so the reader's tokens equal
+    vLLM's after its own hit of the same length (``tests/oracles.py``, rule 1). Without: vLLM's
+    reference MLA backend (block size 16) cannot compute a prompt over cached latents, and vLLM
+    turns its own prefix cache off for it. Loaded latents gave tokens near vLLM's, not equal (on an
+    AMD host, float32 logprobs 5e-3 to 1e-2 apart from the first token on), so the connector serves
+    such an engine without the cache: nothing stored or loaded, each request counted as bypassed,
+    and the tokens are vLLM's alone (the same arithmetic: one prompt per call, computed cold)."""
     family = "deepseek-v2"
     amx = _host_has_amx()
-    dtype = "bfloat16" if amx else "float32"
     model = str(vllm_families.write_family_model(family, tmp_path_factory.mktemp(family)))
     prompts = [_prompt(family, 44, 300)]
     url = f"file://{tmp_path_factory.mktemp(family + '-kv')}"
     connector = {"store": [url], "chunk_tokens": CHUNK}
-    alone = _run(model, None, prompts, twice=True, dtype=dtype)
-    writer = _run(model, connector, prompts, dtype=dtype)
-    reader = _run(model, connector, prompts, dtype=dtype)
+    alone = _run(model, None, prompts, twice=True, dtype="bfloat16")
+    writer = _run(model, connector, prompts, dtype="bfloat16")
+    reader = _run(model, connector, prompts, dtype="bfloat16")
     assert [kind for kind, _, _ in alone["kv_cache_groups"]] == ["MLAAttentionSpec"]
     assert alone["block_size"] == (32 if amx else 16)
-    stored = lookup_limit(len(prompts[0]), alone["block_size"])
     assert writer["tokens"] == alone["tokens"]
-    assert reader["cached"] == [stored] and reader["kvstore"]["tokens_loaded"] == stored
     if amx:
+        stored = lookup_limit(len(prompts[0]), alone["block_size"])
+        assert reader["cached"] == [stored] and reader["kvstore"]["tokens_loaded"] == stored
         assert alone["warm_cached"] == [stored] and reader["tokens"] == alone["warm"]
+        assert sum(_records_by_namespace(url).values()) == -(-stored // CHUNK)
     else:
-        assert alone["warm_cached"] == [0]  # vLLM's prefix cache is off: no hit to compare with
-        assert_continuation(reader["tokens"][0], alone["tokens"][0], alone["logprobs"][0], dtype=dtype,
-                            got_logprobs=reader["logprobs"][0])
-    assert sum(_records_by_namespace(url).values()) == -(-stored // CHUNK)
+        assert alone["warm_cached"] == [0]  # vLLM's own prefix cache is off on this backend
+        assert reader["cached"] == [0] and reader["tokens"] == alone["tokens"]
+        for run in (writer, reader):
+            assert run["kvstore"]["bypassed"] == len(prompts) and run["kvstore"]["tokens_saved"] == 0
+            assert run["kvstore"]["tokens_loaded"] == 0
+        assert not _records_by_namespace(url)
 
 
 def test_a_tensor_parallel_hybrids_records_serve_another_tp_size(tmp_path_factory):

@@ -114,7 +114,8 @@ SAVE_DROPS = REGISTRY.counter("kvstore_save_drops_total",
 BYPASSED = REGISTRY.counter("kvstore_bypassed_requests_total",
                             "Requests an engine adapter neither loads nor saves, by reason (recurrent_state: "
                             "the model keeps recurrent state the engine does not keep at block boundaries, e.g. "
-                            "vLLM with prefix caching off; multimodal: inputs the keys cannot name).", ("reason",))
+                            "vLLM with prefix caching off; mla_backend: MLA on vLLM CPU's reference backend, which cannot "
+                            "compute over cached latents; multimodal: inputs the keys cannot name).", ("reason",))
 DECODE_CHUNKS = REGISTRY.counter("kvstore_decode_chunks_saved_total",
                                  "Chunks of generated tokens an engine adapter planned to save (save_decode): "
                                  "what the next turn of a chat hits.")

@@ -22,7 +22,8 @@ attends to) and recurrent state (Mamba, gated delta nets, short convolutions, li
 ``kind="state"``, the state at a chunk end, which vLLM keeps at block boundaries in its
 ``mamba_cache_mode="align"``). Without align mode (prefix caching off) or with speculative
 state blocks vLLM keeps no state a later prompt could resume from, and such an engine computes
-every prompt (``restorable``). Any other kind of group, and pipeline parallelism, are refused
+every prompt (``restorable``); so does an engine whose attention cannot compute over cached KV
+(vLLM CPU's reference MLA backend, ``context_attention``). Any other kind of group, and pipeline parallelism, are refused
 at start-up, naming them.
 
 ``input_spans`` reads a request's multimodal inputs (images, audio) as the ``InputSpan``s its
@@ -211,6 +212,11 @@ class EngineFacts:
     #: when ``groups`` is empty (0: its records are one shard per TP rank).
     kv_heads: int = 0
     head_size: int = 0
+    #: Whether the engine's attention computes a prompt's rest over KV already in its cache. vLLM
+    #: CPU's reference MLA backend (MLA without AMX tiles) cannot, and vLLM turns its prefix cache
+    #: and chunked prefill off for it: a loaded prefix would be attended to by a kernel not made
+    #: for it (tokens near vLLM's, not equal), so such an engine computes every prompt.
+    context_attention: bool = True
 
     @property
     def kv_groups(self) -> tuple[KVGroup, ...]:
@@ -220,10 +226,19 @@ class EngineFacts:
                                        kv_heads=self.kv_heads, head_size=self.head_size),)
 
     @property
+    def bypass(self) -> str:
+        """Why no stored prefix can stand in for computing it on this engine, "" where one can:
+        ``recurrent_state`` where a recurrent-state group does not keep its state at block
+        boundaries (vLLM's align mode), ``mla_backend`` where the attention cannot compute over
+        cached KV (``context_attention``)."""
+        if not all(g.kind != "state" or g.aligned for g in self.kv_groups):
+            return "recurrent_state"
+        return "" if self.context_attention else "mla_backend"
+
+    @property
     def restorable(self) -> bool:
-        """Whether a stored prefix can stand in for computing it: every recurrent-state group keeps
-        its state at block boundaries (vLLM's align mode)."""
-        return all(g.kind != "state" or g.aligned for g in self.kv_groups)
+        """Whether a stored prefix can stand in for computing it (no ``bypass``)."""
+        return not self.bypass
 
     @property
     def stored_groups(self) -> tuple[KVGroup, ...]:
@@ -465,7 +480,17 @@ def engine_facts(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, opts: 
         vllm_release="{}.{}".format(*vllm_minor(vllm.__version__)),
         mm_hashed=_mm_content_hashed(vllm_config),
         data_parallel_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+        context_attention=_context_attention(vllm_config, device_type, groups),
     )
+
+
+def _context_attention(vllm_config: VllmConfig, device_type: str, groups: list[KVGroup]) -> bool:
+    """``EngineFacts.context_attention``: False for MLA on a CPU engine whose prefix cache is off,
+    which is how vLLM's CPU platform (0.32, 0.33) leaves an engine on its reference MLA backend; its
+    AMX MLA backend keeps prefix caching on. (An MLA engine on CPU whose user turned prefix caching
+    off is treated alike: nothing in the config tells the two apart.)"""
+    return not (device_type == "cpu" and any(g.kind == "mla" for g in groups)
+                and not getattr(vllm_config.cache_config, "enable_prefix_caching", True))
 
 
 def _total_kv_heads(spec: Any, model_config: Any, parallel: Any) -> int:

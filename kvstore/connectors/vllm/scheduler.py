@@ -179,12 +179,17 @@ class SchedulerSide:
         self.store = store
         self.block_size = facts.block_size
         self.groups = facts.stored_groups
-        self._bypass = "" if facts.restorable else "recurrent_state"
-        if self._bypass:
+        self._bypass = facts.bypass
+        if self._bypass == "recurrent_state":
             log.warning("KVStoreConnector: %s keeps recurrent state (KV cache groups %s) that vLLM does not keep at "
                         "block boundaries (it does with prefix caching on, mamba_cache_mode='align', and no "
                         "speculative state blocks): every prompt is computed, nothing is loaded or saved", facts.model,
                         [g.index for g in facts.kv_groups if g.kind == "state" and not g.aligned])
+        elif self._bypass == "mla_backend":
+            log.warning("KVStoreConnector: %s uses MLA on a CPU engine with prefix caching off, as vLLM leaves its "
+                        "reference MLA backend (a CPU without AMX tiles), which cannot compute a prompt over cached "
+                        "latents: every prompt is computed, nothing is loaded or saved", facts.model)
+        if self._bypass:
             loads = saves = False
         self.do_load, self.do_save = loads, saves
         self._mm_hashed = facts.mm_hashed
