@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
 from bench_stores import Chunks, Table
-from common import machine, memory_limits, raw_get_window, raw_window
+from common import machine, memory_limits, raw_get_window, raw_window, report
 
 from kvstore.buffers import BufferPool
 from kvstore.types import array_view
@@ -116,9 +116,7 @@ def main() -> None:
     finally:
         threaded.close()
     text = header + "\n" + "\n".join(sections)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import servers
-from common import gbps, machine
+from common import gbps, machine, report
 
 from kvstore.buffers import BufferPool
 from kvstore.keys import Namespace, chunk_keys
@@ -361,9 +361,7 @@ def main() -> None:
         sections.append(benches[backend](data, args.reps))
         del data
     text = header + "\n" + "\n".join(sections)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    report(text, args.out)
 
 
 if __name__ == "__main__":

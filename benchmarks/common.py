@@ -113,3 +113,11 @@ def apply_switch_interval(seconds: float) -> str:
     """Set the run's switch interval; a line saying so, for the benchmark's header."""
     sys.setswitchinterval(seconds)
     return f"thread switch interval {seconds * 1e3:g} ms"
+
+
+def report(text: str, out: str | None) -> None:
+    """Print a benchmark's markdown at its end, and write it to ``out`` where one was given."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)

@@ -4,9 +4,11 @@
 adapters give it, per chunk, the bytes to save (``save``) and take, per verified chunk, the
 bytes to place (``load``'s sink). Its promises:
 
-* ``lookup`` costs one ``longest_prefix_by_tier`` call (one round trip per tier) and is the one
-  lookup every adapter makes (``stored_by_tier``: the vLLM scheduler asks it for every TP rank's
-  shard at once); each is counted once in ``kvstore_lookups_total``.
+* ``lookup`` costs one ``longest_prefix_by_tier`` call (one round trip per tier)
+  (``stored_by_tier``, for several shards at once); the vLLM scheduler's lookup, which covers
+  KV heads from records of any head range, is ``covered_by_tier`` (one ``exists_by_tier`` call,
+  one more for other writers' ranges when its own fall short). Each lookup is counted once in
+  ``kvstore_lookups_total``.
 * ``load`` receives the records into leased pool buffers (``Store.get_into``: a Redis tier
   receives record i+1 while record i is verified and placed), verifies each record (namespace,
   key, token ids, dtype, shapes, hidden state, checksum and, with a deployment key, its tag)
